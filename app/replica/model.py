@@ -1,0 +1,256 @@
+"""Llama-family forward (Llama, Mistral, Qwen2) over one flat batch of tokens from many sequences.
+
+No padding to the longest sequence: prefill chunks and decode tokens sit side by side in one [T] batch.
+K/V go into the paged cache through `slot_mapping`; attention reads them back through block tables.
+q/k/v and gate/up are fused into one matmul each; LoRA deltas are added to the fused outputs by the
+`lora` object of the batch (None = base model only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from app.model_config import ModelConfig
+from app.replica.kv_cache import KVCache
+
+
+class LoraHook(Protocol):
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add every targeted adapter's delta for linear `group` ("qkv", "o", "gate_up", "down") into out."""
+
+
+@dataclass
+class PrefillAttn:
+    token_idx: torch.Tensor  # [q_len] positions of this chunk's tokens in the flat batch
+    ctx_len: int  # tokens of the sequence in the cache after this step (context + this chunk)
+    block_ids: torch.Tensor  # [ceil(ctx_len / block_size)]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each token (block * block_size + offset)
+    decode_idx: torch.Tensor | None  # [Bd] flat index of each single-token (decode) sequence
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] (padded with 0)
+    decode_ctx_lens: torch.Tensor | None  # [Bd]
+    prefills: list[PrefillAttn]
+    logits_idx: torch.Tensor  # [n] tokens whose next-token logits are needed
+    lora: LoraHook | None = None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype in names:
+        return names[dtype]
+    if dtype != "auto":
+        raise ValueError(f"dtype {dtype!r} is not supported: use 'auto', 'float32', 'bfloat16' or 'float16'")
+    if device.type == "cuda":
+        return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls only beat fp32 on CPUs with AVX512-BF16 or AMX; elsewhere they are ~4x slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("\nflags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (and attention scaling) for default, linear and llama3 RoPE, as HF defines them."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv, 1.0
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / sc["factor"], 1.0
+    # llama3: long wavelengths scaled by `factor`, short kept, smooth in between
+    factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old = sc["original_max_position_embeddings"]
+    lo_wavelen, hi_wavelen = old / lo, old / hi
+    wavelen = 2 * math.pi / inv
+    inv_l = torch.where(wavelen > lo_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    is_medium = ~(wavelen < hi_wavelen) * ~(wavelen > lo_wavelen)
+    return torch.where(is_medium, smoothed, inv_l), 1.0
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """tensor name -> file, from a single safetensors file or a sharded index."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wm = json.loads(index.read_text())["weight_map"]
+        return {k: folder / v for k, v in wm.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        bins = [p.name for p in folder.glob("*.bin")]
+        hint = f" (found {bins}: pickled weights are refused, convert them to safetensors)" if bins else ""
+        raise ValueError(f"{folder} has no *.safetensors weights{hint}")
+    out = {}
+    for f in files:
+        with safe_open(f, "pt") as fh:
+            out.update({k: f for k in fh.keys()})
+    return out
+
+
+class Model:
+    def __init__(self, folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        self.cfg, self.dtype, self.device = config, dtype, device
+        folder = Path(folder)
+        files = _weight_files(folder)
+        handles: dict[Path, object] = {}
+
+        def get(name: str, required: bool = True) -> torch.Tensor | None:
+            if name not in files:
+                if required:
+                    raise ValueError(f"{folder}: weight {name!r} is missing from the safetensors files")
+                return None
+            f = files[name]
+            if f not in handles:
+                handles[f] = safe_open(f, "pt")
+            return handles[f].get_tensor(name).to(device=device, dtype=dtype)
+
+        c = config
+        self.embed = get("model.embed_tokens.weight")
+        if tuple(self.embed.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
+                             f"({c.vocab_size}, {c.hidden_size})")
+        self.norm = get("model.norm.weight")
+        lm = get("lm_head.weight", required=not c.tie_word_embeddings)
+        self.lm_head = self.embed if lm is None else lm
+        qkv_bias = c.family == "qwen2" or c.attention_bias
+        o_bias = c.family != "qwen2" and c.attention_bias
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            q, k, v = (get(a + f"{m}_proj.weight") for m in "qkv")
+            layer = {
+                "ln1": get(p + "input_layernorm.weight"),
+                "ln2": get(p + "post_attention_layernorm.weight"),
+                "qkv": torch.cat([q, k, v]),
+                "qkv_b": torch.cat([get(a + f"{m}_proj.bias") for m in "qkv"]) if qkv_bias else None,
+                "o": get(a + "o_proj.weight"),
+                "o_b": get(a + "o_proj.bias") if o_bias else None,
+                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                "down": get(p + "mlp.down_proj.weight"),
+            }
+            self.layers.append(layer)
+        handles.clear()
+        inv, self.attn_scaling = rope_inv_freq(c)
+        self.inv_freq = inv.to(device)
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    def nbytes(self) -> int:
+        ts = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        ts += [t for layer in self.layers for t in layer.values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attn_scaling).to(self.dtype)[:, None, :]
+        sin = (emb.sin() * self.attn_scaling).to(self.dtype)[:, None, :]
+        return cos, sin
+
+    @torch.inference_mode()
+    def forward(self, b: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Returns float32 logits [len(b.logits_idx), vocab]."""
+        c = self.cfg
+        T = b.input_ids.shape[0]
+        h = F.embedding(b.input_ids, self.embed)
+        cos, sin = self._rope(b.positions)
+        for li, L in enumerate(self.layers):
+            x = _rms_norm(h, L["ln1"], c.rms_norm_eps)
+            qkv = F.linear(x, L["qkv"], L["qkv_b"])
+            if b.lora is not None:
+                b.lora.apply(li, "qkv", x, qkv)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = _rotate(q.view(T, c.num_heads, c.head_dim), cos, sin)
+            k = _rotate(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.reshape(T, c.num_kv_heads, c.head_dim)
+            kc, vc = kv.k[li], kv.v[li]
+            kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, b.slot_mapping, k)
+            vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, b.slot_mapping, v)
+            attn = self._attention(q, b, kc, vc)
+            o = F.linear(attn, L["o"], L["o_b"])
+            if b.lora is not None:
+                b.lora.apply(li, "o", attn, o)
+            h = h + o
+            x = _rms_norm(h, L["ln2"], c.rms_norm_eps)
+            gu = F.linear(x, L["gate_up"])
+            if b.lora is not None:
+                b.lora.apply(li, "gate_up", x, gu)
+            g, u = gu.chunk(2, dim=-1)
+            m = F.silu(g) * u
+            d = F.linear(m, L["down"])
+            if b.lora is not None:
+                b.lora.apply(li, "down", m, d)
+            h = h + d
+        h = _rms_norm(h.index_select(0, b.logits_idx), self.norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, b: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        T = q.shape[0]
+        out = torch.empty(T, c.num_heads * c.head_dim, dtype=q.dtype, device=q.device)
+        win = c.sliding_window
+        if b.decode_idx is not None:
+            bt = b.decode_block_tables
+            nb, bs = bt.shape[1], kc.shape[1]
+            keys = kc[bt].view(bt.shape[0], nb * bs, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            vals = vc[bt].view(bt.shape[0], nb * bs, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            pos = torch.arange(nb * bs, device=q.device)[None, :]
+            lens = b.decode_ctx_lens[:, None]
+            mask = pos < lens
+            if win is not None:
+                mask &= pos >= lens - win
+            qd = q.index_select(0, b.decode_idx)[:, :, None, :]  # [Bd, H, 1, d]
+            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask[:, None, None, :], enable_gqa=True)
+            out.index_copy_(0, b.decode_idx, o.reshape(o.shape[0], -1))
+        for p in b.prefills:
+            n = p.token_idx.shape[0]
+            keys = kc.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx_len].transpose(0, 1)
+            vals = vc.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx_len].transpose(0, 1)
+            qp = q.index_select(0, p.token_idx).transpose(0, 1)  # [H, n, d]
+            if p.ctx_len == n and win is None:
+                o = F.scaled_dot_product_attention(qp, keys, vals, is_causal=True, enable_gqa=True)
+            else:
+                qpos = torch.arange(p.ctx_len - n, p.ctx_len, device=q.device)[:, None]
+                kpos = torch.arange(p.ctx_len, device=q.device)[None, :]
+                mask = kpos <= qpos
+                if win is not None:
+                    mask &= kpos > qpos - win
+                o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, enable_gqa=True)
+            out.index_copy_(0, p.token_idx, o.transpose(0, 1).reshape(n, -1))
+        return out

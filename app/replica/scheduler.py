@@ -1,0 +1,198 @@
+"""Continuous (iteration-level) batching: admission, a token budget per step, chunked prefill, preemption.
+
+Pure Python over `Sequence` and `BlockAllocator`; the engine turns a `Batch` into tensors. Preemption is by
+recompute: the victim's blocks are freed and it re-enters the waiting queue at its arrival position, so
+no request is lost and its output is unchanged (its sampled tokens become part of what is recomputed).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app.replica.kv_cache import BlockAllocator, block_hash
+from app.replica.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 32
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_batch_size and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens fed this step: all_ids[start : start + num_tokens]
+    start: int  # == seq.num_computed when scheduled
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so a new token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class Batch:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_tokens for it in self.items)
+
+
+def _always(_: Sequence) -> bool:
+    return True
+
+
+def _nothing(_: Sequence) -> None:
+    return None
+
+
+class Scheduler:
+    """`admit(seq)` may refuse a waiting sequence (its adapter is not resident yet): it is skipped, not blocking
+    the queue. `release(seq)` is called whenever a sequence stops running (finished, aborted, preempted)."""
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
+                 admit: Callable[[Sequence], bool] = _always, release: Callable[[Sequence], None] = _nothing):
+        self.config = config
+        self.alloc = allocator
+        self.admit = admit
+        self.release = release
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queue management
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self._insert_waiting(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        keys = [s.arrival for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.arrival), seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        was_running = seq.status is Status.RUNNING
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if was_running:
+            self.release(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.alloc.free(seq.block_ids)
+        seq.block_ids = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert_waiting(seq)
+        self.release(seq)
+
+    # ----------------------------------------------------------------- scheduling
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        total = -(-(seq.num_computed + num_new) // self.config.block_size)
+        return max(0, total - len(seq.block_ids))
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        need = self._blocks_needed(seq, num_new)
+        if need > self.alloc.num_free:
+            return False
+        seq.block_ids.extend(self.alloc.allocate() for _ in range(need))
+        return True
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Attach cached blocks for the sequence's leading full blocks (at least one token stays uncomputed)."""
+        bs = self.config.block_size
+        ids = seq.all_ids
+        parent = None
+        for j in range((len(ids) - 1) // bs):
+            h = block_hash(parent, tuple(ids[j * bs:(j + 1) * bs]), seq.adapter_key)
+            bid = self.alloc.lookup(h)
+            if bid is None:
+                break
+            seq.block_ids.append(bid)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed = len(seq.block_ids) * bs
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
+                budget -= n
+                i += 1
+                continue
+            # seq itself was preempted; everything after it was too
+            break
+        # 2. admit waiting sequences in arrival order while there is room
+        if not batch.preempted:
+            for seq in list(self.waiting):
+                if budget <= 0 or len(self.running) >= self.config.max_batch_size:
+                    break
+                if not self.admit(seq):
+                    continue
+                if self.alloc.enable_prefix_caching:
+                    self._reuse_prefix(seq)
+                n = min(seq.num_uncomputed, budget)
+                if not self._grow(seq, n):
+                    self._free(seq)
+                    self.release(seq)
+                    break  # head of line keeps its place: no starvation of old requests
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
+                budget -= n
+        return batch
+
+    def commit(self, batch: Batch) -> None:
+        """After the forward: mark the fed tokens computed and register newly filled blocks for reuse."""
+        bs = self.config.block_size
+        for it in batch.items:
+            seq = it.seq
+            seq.num_computed = it.start + it.num_tokens
+            ids = seq.all_ids
+            while len(seq.block_hashes) < seq.num_computed // bs:
+                j = len(seq.block_hashes)
+                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                h = block_hash(parent, tuple(ids[j * bs:(j + 1) * bs]), seq.adapter_key)
+                self.alloc.register(seq.block_ids[j], h)
+                seq.block_hashes.append(h)
