@@ -74,13 +74,13 @@ class LLMKernel:
         self.model_config = cfg = ModelConfig.from_folder(folder)
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         self.dtype = resolve_dtype(dtype, dev, cfg)
+        self.model = Model(folder, cfg, self.dtype, dev)
         from transformers import AutoTokenizer
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception as e:
             raise ValueError(f"{folder} has no usable tokenizer ({e}): add tokenizer files to the model folder") from e
-        self.model = Model(folder, cfg, self.dtype, dev)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if max_model_len and max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
@@ -101,7 +101,7 @@ class LLMKernel:
             EngineConfig(
                 max_model_len=self.max_model_len, num_kv_blocks=num_kv_blocks, block_size=block_size,
                 max_batch_size=max_batch_size,
-                max_num_batched_tokens=max_num_batched_tokens or max(2048, self.max_model_len if False else 2048),
+                max_num_batched_tokens=max_num_batched_tokens or 2048,
                 enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting or 4096),
             adapters=self.adapter_manager,
         )

@@ -45,6 +45,7 @@ class BlockAllocator:
         self._by_hash: dict[bytes, int] = {}
         self.hits = 0
         self.queries = 0
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
@@ -69,6 +70,7 @@ class BlockAllocator:
         else:
             raise MemoryError("no free KV blocks")
         self.blocks[bid].ref_count = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return bid
 
     def free(self, block_ids: list[int]) -> None:
@@ -94,6 +96,7 @@ class BlockAllocator:
         if blk.ref_count == 0:
             self._evictable.pop(bid, None)
         blk.ref_count += 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return bid
 
     def register(self, bid: int, h: bytes) -> None:
