@@ -48,7 +48,8 @@ class Delta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    error: str | None = None
+    error: str | None = None  # set when the request failed (finish_reason "abort")
+    error_kind: str | None = None  # "adapter" (its adapter could not be loaded) or "internal"
 
 
 class _Detok:
@@ -110,6 +111,8 @@ class Engine:
         with self._lock:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.cfg.max_waiting:
                 raise QueueFull(f"the replica's queue is full ({self.cfg.max_waiting} waiting): retry shortly")
+            if adapter is not None:
+                self.adapters.submitted(adapter)
             self._inbox.append(seq)
             self._wake.notify()
         return seq
@@ -148,6 +151,8 @@ class Engine:
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("engine step failed")
                 self._fail_running(f"internal error in the engine step: {e}")
+        if self.adapters is not None:
+            self.adapters.close()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, "abort")
 
@@ -169,7 +174,10 @@ class Engine:
         """One iteration; returns False when nothing could run."""
         self._drain()
         if self.adapters is not None:
-            self.adapters.poll()
+            failed = self.adapters.poll()
+            for seq in [s for s in self.scheduler.waiting if s.adapter in failed]:
+                self._finish(seq, "abort", f"adapter {seq.adapter} could not be loaded: {failed[seq.adapter]}",
+                             "adapter")
         batch = self.scheduler.schedule()
         if not batch.items:
             return False
@@ -252,19 +260,25 @@ class Engine:
         else:
             new_text = text[dt.sent:]
             self.scheduler.finish(seq, reason)
+            if self.adapters is not None:
+                self.adapters.finished(seq)
         dt.sent += len(new_text)
         new_ids = seq.output_ids[dt.sent_tokens:]
         dt.sent_tokens = len(seq.output_ids)
         on_delta(Delta(new_text, new_ids, reason, len(seq.prompt_ids), len(seq.output_ids)))
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, kind: str | None = None) -> None:
+        if seq.is_finished:
+            return
         self.scheduler.finish(seq, reason)
+        if self.adapters is not None:
+            self.adapters.finished(seq)
         on_delta, dt = seq.ctx
-        on_delta(Delta("", [], reason, len(seq.prompt_ids), len(seq.output_ids), error))
+        on_delta(Delta("", [], reason, len(seq.prompt_ids), len(seq.output_ids), error, kind))
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.scheduler.running):
-            self._finish(seq, "abort", message)
+            self._finish(seq, "abort", message, "internal")
 
     # ------------------------------------------------------------------ asyncio front
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *, adapter: str | None = None,

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import torch
 
-from app.errors import InvalidRequest
+from app.adapter_format import LoraWeights, merge_adapters, read_adapter
+from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest, UnknownAdapter
 from app.model_config import ModelConfig
+from app.replica.adapters import AdapterManager
+from app.router.model_spec import ModelSpec, Term, parse_model
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.kv_cache import KVCache
 from app.replica.model import Model, resolve_dtype
@@ -94,7 +97,6 @@ class LLMKernel:
             if num_kv_blocks < 1:
                 raise ValueError("no memory left for the KV cache: raise gpu_memory_utilization or pass num_kv_blocks")
         self.max_lora_rank = max_lora_rank
-        self.adapter_manager = None
         self._init_adapters(max_adapters, max_cpu_adapters, hub)
         self.engine = Engine(
             self.model, self.tokenizer,
@@ -111,6 +113,135 @@ class LLMKernel:
 
     def _init_adapters(self, max_adapters, max_cpu_adapters, hub) -> None:
         self._hub = hub
+        self._chain: ModelSpec | None = None
+        self._versions: dict[str, int] = {}
+        self._adapter_lock = threading.Lock()
+        self.adapter_manager = AdapterManager(
+            self.model_config, max_adapters=max_adapters, max_cpu_adapters=max_cpu_adapters, dtype=self.dtype,
+            device=self.model.device, on_ready=lambda: self.engine.wake())
+
+    # ------------------------------------------------------------------ adapters
+    @property
+    def hub(self):
+        if self._hub is None:
+            from app.catalog.sources import AdapterHub
+
+            self._hub = AdapterHub()
+        return self._hub
+
+    def _materialize(self, source: str | Path) -> Path:
+        """A local adapter folder for `source`: a folder as is, s3:// hf:// file:// through the hub."""
+        text = str(source)
+        if text.startswith(("s3://", "hf://", "file://")):
+            return Path(self.hub.fetch(text))
+        p = Path(text).expanduser()
+        if not p.is_dir():
+            raise InvalidAdapter(f"adapter source {text!r} is not a folder nor an s3://, hf:// or file:// URI")
+        return p
+
+    def _read(self, source: str | Path, name: str) -> LoraWeights:
+        return read_adapter(self._materialize(source), self.model_config, max_rank=self.max_lora_rank, name=name)
+
+    def load_adapter(self, name: str, source: str | Path, *, version: int | None = None) -> None:
+        """Parse and validate an adapter and make it servable under `name` (a new version if it exists).
+        Blocks the caller only; requests already running keep decoding."""
+        from app.catalog.names import check_name
+
+        check_name(name)
+        weights = self._read(source, name)
+        with self._adapter_lock:
+            v = version if version is not None else self._versions.get(name, 0) + 1
+            self._versions[name] = max(v, self._versions.get(name, 0))
+
+        def reload() -> LoraWeights:
+            try:
+                return self._read(source, name)
+            except (InvalidAdapter, AdapterUnavailable):
+                raise
+            except Exception as e:
+                raise AdapterUnavailable(f"re-reading adapter {name!r} from {source}: {e}") from e
+
+        self.adapter_manager.register(name, v, reload, weights)
+
+    def unload_adapter(self, name: str) -> None:
+        """Requests already submitted for `name` finish; new ones get UnknownAdapter."""
+        try:
+            self.adapter_manager.unload(name)
+        except KeyError:
+            raise UnknownAdapter(f"adapter {name!r} is not loaded; loaded: {self.adapters()}") from None
+        if self._chain is not None and name in {t.name for t in self._chain.terms()}:
+            self._chain = None
+
+    def pin(self, name: str) -> None:
+        self._pin(name, True)
+
+    def unpin(self, name: str) -> None:
+        self._pin(name, False)
+
+    def _pin(self, name: str, pinned: bool) -> None:
+        try:
+            self.adapter_manager.set_pinned(name, pinned)
+        except KeyError:
+            raise UnknownAdapter(f"adapter {name!r} is not loaded") from None
+
+    def has_adapter(self, name: str) -> bool:
+        return self.adapter_manager.resolve(name) is not None
+
+    def adapters(self) -> list[str]:
+        return self.adapter_manager.names()
+
+    def set_adaptive_chain(self, names: Seq[str] | None) -> None:
+        """Requests that name no adapter run through this chain (also addressable as "a|b"); None clears it."""
+        if not names:
+            self._chain = None
+            return
+        spec = parse_model("|".join(names))
+        for t in spec.terms():
+            self._term_key(t)
+        self._chain = spec
+
+    def _term_key(self, t: Term) -> str:
+        m = self.adapter_manager
+        if t.version is None:
+            key = m.resolve(t.name)
+        else:
+            key = f"{t.name}@{t.version}"
+            e = m.entries.get(key)
+            key = key if e is not None and not e.retired else None
+        if key is None:
+            raise UnknownAdapter(f"adapter {t.ref!r} is not loaded on this kernel; loaded: {self.adapters()}")
+        return key
+
+    def _stage_key(self, stage: tuple[Term, ...]) -> str:
+        """The adapter key serving one stage: the adapter itself, or a merge built as a virtual adapter."""
+        if len(stage) == 1:
+            return self._term_key(stage[0])
+        keys = [self._term_key(t) for t in stage]
+        name = "+".join(f"{k}*{t.weight:g}" for k, t in zip(keys, stage))
+        m = self.adapter_manager
+        with self._adapter_lock:
+            if m.resolve(name) is None:
+                def build() -> LoraWeights:
+                    parts = []
+                    for k, t in zip(keys, stage):
+                        e = m.entries[k]
+                        parts.append((e.weights or e.loader(), t.weight))
+                    return merge_adapters(parts, name)
+
+                m.register(name, 1, build, build())
+            return m.resolve(name)
+
+    def _stages(self, adapter_id: str | None) -> list[str | None]:
+        """Adapter keys, one per pipeline stage (None = base model)."""
+        if adapter_id is None:
+            spec = self._chain
+            if spec is None:
+                return [None]
+        elif not isinstance(adapter_id, str):
+            raise InvalidRequest(f"adapter id must be a string or None, got {type(adapter_id).__name__}")
+        else:
+            spec = parse_model(adapter_id, (self.model_id,))
+        return [self._stage_key(st) for st in spec.stages] or [None]
 
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -120,17 +251,26 @@ class LLMKernel:
             return list(prompt)
         raise InvalidRequest("each prompt must be a string or a list of token ids")
 
-    def _route(self, adapter_id: str | None) -> tuple[str | None, str]:
-        if adapter_id is not None:
-            raise InvalidRequest("adapters are not available in this kernel build")
-        return None, ""
-
-    def generate(self, prompt: Prompt, adapter_id: str | None = None, **sampling) -> AsyncIterator[Delta]:
-        """Stream Deltas for one prompt (an async iterator; abandoning it aborts the request)."""
+    async def generate(self, prompt: Prompt, adapter_id: str | None = None, **sampling) -> AsyncIterator[Delta]:
+        """Stream Deltas for one prompt (abandoning the iterator aborts the request). A chain runs its
+        earlier stages to completion and streams the last one."""
         params = SamplingParams.from_kwargs(**sampling)
         ids = self._prompt_ids(prompt)
-        adapter, key = self._route(adapter_id)
-        return self.engine.stream(ids, params, adapter=adapter, adapter_key=key)
+        stages = self._stages(adapter_id)
+        n_prompt = len(ids)
+        for i, key in enumerate(stages):
+            last = i == len(stages) - 1
+            out: list[int] = []
+            async for d in self.engine.stream(ids, params, adapter=key, adapter_key=key or ""):
+                if d.error:
+                    raise self._error(d)
+                if last:
+                    d.prompt_tokens = n_prompt
+                    yield d
+                else:
+                    out += d.token_ids
+            if not last:
+                ids = self._stage_output(out, params)
 
     def complete(self, prompts: Seq[Prompt], adapter_ids: Seq[str | None] | None = None,
                  **sampling) -> list[Completion]:
@@ -140,8 +280,38 @@ class LLMKernel:
         if len(adapter_ids) != len(prompts):
             raise InvalidRequest(f"got {len(prompts)} prompts but {len(adapter_ids)} adapter_ids")
         params = SamplingParams.from_kwargs(**sampling)
-        jobs = [(self._prompt_ids(p), *self._route(a)) for p, a in zip(prompts, adapter_ids)]
-        return self._run(jobs, params)
+        ids = [self._prompt_ids(p) for p in prompts]
+        stages = [self._stages(a) for a in adapter_ids]
+        n_prompt = [len(x) for x in ids]
+        results: list[Completion | None] = [None] * len(prompts)
+        depth = 0
+        while True:  # one round per pipeline depth: every prompt's stage `depth` runs in one batch
+            todo = [i for i in range(len(prompts)) if depth < len(stages[i])]
+            if not todo:
+                break
+            outs = self._run([(ids[i], stages[i][depth]) for i in todo], params)
+            for i, c in zip(todo, outs):
+                if depth == len(stages[i]) - 1:
+                    c.prompt_tokens = n_prompt[i]
+                    results[i] = c
+                else:
+                    ids[i] = self._stage_output(c.token_ids, params)
+            depth += 1
+        return results
+
+    def _stage_output(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The next stage's prompt: the previous stage's text, tokenized again."""
+        if token_ids and self._is_stop_token(token_ids[-1], params):
+            token_ids = token_ids[:-1]
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        nxt = self._prompt_ids(text) if text else []
+        if not nxt:
+            raise InvalidRequest("a chain stage produced no text to feed the next stage; raise max_tokens")
+        return nxt[-(self.max_model_len - params.max_tokens):] if len(nxt) >= self.max_model_len else nxt
+
+    @staticmethod
+    def _error(d: Delta) -> Exception:
+        return AdapterUnavailable(d.error) if d.error_kind == "adapter" else RuntimeError(d.error)
 
     def _run(self, jobs, params: SamplingParams) -> list[Completion]:
         done = threading.Semaphore(0)
@@ -153,18 +323,18 @@ class LLMKernel:
                 r[0].extend(d.token_ids)
                 r[2] = d.prompt_tokens
                 if d.finish_reason is not None:
-                    r[1], r[3] = d.finish_reason, d.error
+                    r[1], r[3] = d.finish_reason, (d.error, d.error_kind) if d.error else None
                     done.release()
             return on_delta
 
-        for i, (ids, adapter, key) in enumerate(jobs):
-            self.engine.add(ids, params, collector(i), adapter=adapter, adapter_key=key)
+        for i, (ids, key) in enumerate(jobs):
+            self.engine.add(ids, params, collector(i), adapter=key, adapter_key=key or "")
         for _ in jobs:
             done.acquire()
         out = []
         for ids, reason, n_prompt, error in results:
             if error:
-                raise RuntimeError(error)
+                raise self._error(Delta("", [], reason, n_prompt, 0, error[0], error[1]))
             shown = ids[:-1] if reason == "stop" and ids and self._is_stop_token(ids[-1], params) else ids
             text = self.tokenizer.decode(shown, skip_special_tokens=True)
             for s in params.stop:
@@ -180,9 +350,9 @@ class LLMKernel:
         return [c.text for c in self.complete(prompts, adapter_ids, **sampling)]
 
     def stats(self) -> dict:
-        e = self.engine
-        return {"resident": [], "free_slots": 0, "queue_len": e.num_waiting(), "running": len(e.scheduler.running),
-                "kv_usage": e.allocator.usage(), "loaded": []}
+        e, m = self.engine, self.adapter_manager
+        return {"resident": m.resident(), "free_slots": m.free_slots(), "queue_len": e.num_waiting(),
+                "running": len(e.scheduler.running), "kv_usage": e.allocator.usage(), "loaded": m.names()}
 
     def close(self) -> None:
         self.engine.stop()
