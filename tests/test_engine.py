@@ -169,3 +169,35 @@ def test_bad_input_is_refused_with_the_limit(llama_dir, tmp_path):
     (bad / "config.json").write_text((llama_dir / "config.json").read_text())
     with pytest.raises(ValueError, match="safetensors"):
         LLMKernel(bad)
+
+
+def test_sharded_checkpoint_and_hub_cache_id(llama_dir, tmp_path, monkeypatch):
+    """A sharded safetensors index loads; a Hub id resolves through huggingface_hub's offline cache."""
+    import shutil
+
+
+    hf = load_hf(llama_dir)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="20KB", safe_serialization=True)
+    for f in llama_dir.glob("tokenizer*"):
+        shutil.copy(f, sharded)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    prompt = [5, 6, 7, 8]
+    ref = hf_greedy(hf, prompt, 6)
+    with LLMKernel(sharded, dtype="float32", num_kv_blocks=32) as k:
+        assert k.complete([prompt], max_tokens=6, ignore_eos=True)[0].token_ids == ref
+    # lay the folder out as a hub cache snapshot: models--org--name/{refs/main, snapshots/<rev>/...}
+    cache = tmp_path / "hub"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    snap = cache / "models--tiny-org--tiny-llama" / "snapshots" / rev
+    shutil.copytree(llama_dir, snap)
+    (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text(rev)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    with LLMKernel("tiny-org/tiny-llama", dtype="float32", num_kv_blocks=32) as k:
+        assert k.complete([prompt], max_tokens=6, ignore_eos=True)[0].token_ids == ref

@@ -1,0 +1,137 @@
+"""Multi-LoRA cost on workload W (issue 3): one run prints every ratio.
+
+    python -m load_tests.bench_lora [--requests 64] [--new 64] [--skip-peft]
+
+P1  q_proj,v_proj adapters / base            (target >= 0.97)
+P1b all seven projections / base             (target >= 0.90)
+P2  ours / PEFT mixed-batch generate         (target >= 4x)
+P4  1000 vs 5 distinct adapters              (target <= 3% drop)
+P6  resident bytes per adapter / tensor bytes, mixed ranks (target <= 1.1)
+Peers on the reference machine (2 cores): HF+PEFT fp32 base 218 / q,v 207 / all-seven 165 tok/s;
+vLLM CPU 0.32 bf16 base 838 / q,v 124 / all-seven 115 tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from load_tests.bench_adapters import build_bench_adapters
+from load_tests.models import build_bench_model, workload_w
+
+CACHE = Path.home() / ".cache" / "loraland"
+ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def throughput(k, prompts, ids, new) -> float:
+    k.complete([prompts[0][:8]], [ids[0]], max_tokens=2, ignore_eos=True)  # warm-up (and first install)
+    t = time.perf_counter()
+    outs = k.complete(prompts, ids, max_tokens=new, ignore_eos=True)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def ours(model_dir, prompts, adapters: dict[str, Path], n_distinct: int | None, new: int, seed=0) -> float:
+    from loraland import LLMKernel
+
+    names = list(adapters)
+    rng = random.Random(seed)
+    pick = names[:n_distinct] if n_distinct else names
+    ids = [rng.choice(pick) for _ in prompts] if names else [None] * len(prompts)
+    with LLMKernel(model_dir, max_batch_size=len(prompts), max_num_batched_tokens=4096,
+                   max_adapters=max(len(prompts), 8), max_cpu_adapters=max(len(names), 1)) as k:
+        for name, path in adapters.items():
+            k.load_adapter(name, path)
+        return throughput(k, prompts, ids, new)
+
+
+def peft_mixed(model_dir, prompts, adapters: dict[str, Path], new: int, seed=0) -> float:
+    import transformers
+    from peft import PeftModel
+
+    rng = random.Random(seed)
+    ids = [rng.choice(list(adapters)) for _ in prompts]
+    used = sorted(set(ids))
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapters[used[0]], adapter_name=used[0])
+    for name in used[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    model.eval()
+    x = torch.tensor(prompts)
+    with torch.no_grad():
+        t = time.perf_counter()
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             adapter_names=ids)
+        dt = time.perf_counter() - t
+    return (out.shape[1] - x.shape[1]) * x.shape[0] / dt
+
+
+def resident_ratio(model_dir, root: Path) -> tuple[float, float]:
+    """(touched pool bytes / tensor bytes, RSS growth / tensor bytes) with mixed ranks resident."""
+    from loraland import LLMKernel
+
+    sets = {}
+    for r in (4, 8, 12, 16, 32):
+        sets.update(build_bench_adapters(model_dir, root / f"mixed-r{r}", 8, r=r, seed=100 + r, prefix=f"m{r}-"))
+    with LLMKernel(model_dir, max_adapters=len(sets), num_kv_blocks=64) as k:
+        for name, path in sets.items():
+            k.load_adapter(name, path)
+        before = rss()
+        k.complete([[5, 6, 7]] * len(sets), list(sets), max_tokens=1)
+        grown = rss() - before
+        touched, own = k.adapter_manager.resident_bytes()
+    return touched / own, grown / own
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--adapters", type=int, default=200)
+    ap.add_argument("--skip-peft", action="store_true")
+    ap.add_argument("--skip-p4", action="store_true")
+    a = ap.parse_args()
+    model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
+    root = CACHE / "bench-adapters"
+    prompts = workload_w(a.requests, a.prompt_len)
+    qv = build_bench_adapters(model_dir, root / "qv-r16", a.adapters, r=16, targets=("q_proj", "v_proj"))
+    all7 = build_bench_adapters(model_dir, root / "all7-r16", a.adapters, r=16, targets=ALL_SEVEN)
+    print(f"workload W: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}")
+    rows = []
+    base = ours(model_dir, prompts, {}, None, a.new)
+    rows.append(("base model", base, ""))
+    t_qv = ours(model_dir, prompts, qv, None, a.new)
+    rows.append((f"{a.adapters} q,v r16 adapters", t_qv, f"P1 = {t_qv / base:.3f} (>= 0.97)"))
+    t_all = ours(model_dir, prompts, all7, None, a.new)
+    rows.append((f"{a.adapters} all-seven r16 adapters", t_all, f"P1b = {t_all / base:.3f} (>= 0.90)"))
+    if not a.skip_peft:
+        t_peft = peft_mixed(model_dir, prompts, qv, a.new)
+        rows.append(("HF+PEFT mixed batch, q,v", t_peft, f"P2 = ours/PEFT = {t_qv / t_peft:.2f}x (>= 4x)"))
+    if not a.skip_p4:
+        many = build_bench_adapters(model_dir, root / "qv-r16-1000", 1000, r=16, targets=("q_proj", "v_proj"),
+                                    seed=7)
+        t5 = ours(model_dir, prompts, many, 5, a.new)
+        t1000 = ours(model_dir, prompts, many, None, a.new)
+        rows.append(("5 distinct adapters", t5, ""))
+        rows.append(("1000 distinct adapters", t1000, f"P4 drop = {100 * (1 - t1000 / t5):.1f}% (<= 3%)"))
+    touched, grown = resident_ratio(model_dir, root)
+    print(f"{'configuration':34} {'out tok/s':>10}  ratio")
+    for name, tps, note in rows:
+        print(f"{name:34} {tps:10.1f}  {note}")
+    print(f"P6 resident bytes / tensor bytes, ranks 4-32 mixed: pools {touched:.3f}, RSS growth {grown:.3f} (<= 1.1)")
+
+
+if __name__ == "__main__":
+    main()
