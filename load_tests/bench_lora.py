@@ -20,11 +20,15 @@ from pathlib import Path
 
 import torch
 
-from load_tests.bench_adapters import build_bench_adapters
+from load_tests.bench_adapters import build_bench_adapters as _build
 from load_tests.models import build_bench_model, workload_w
 
 CACHE = Path.home() / ".cache" / "loraland"
 ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_bench_adapters(model_dir, root, n, **kw) -> dict[str, Path]:
+    return {p.name: p for p in _build(model_dir, root, n, alpha=kw.pop("alpha", 32), **kw)}
 
 
 def rss() -> int:
@@ -87,6 +91,7 @@ def resident_ratio(model_dir, root: Path) -> tuple[float, float]:
     with LLMKernel(model_dir, max_adapters=len(sets), num_kv_blocks=64) as k:
         for name, path in sets.items():
             k.load_adapter(name, path)
+        k.complete([[5, 6, 7]] * len(sets), max_tokens=1)  # same shapes through the base model first
         before = rss()
         k.complete([[5, 6, 7]] * len(sets), list(sets), max_tokens=1)
         grown = rss() - before
@@ -106,8 +111,8 @@ def main() -> None:
     model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
     root = CACHE / "bench-adapters"
     prompts = workload_w(a.requests, a.prompt_len)
-    qv = build_bench_adapters(model_dir, root / "qv-r16", a.adapters, r=16, targets=("q_proj", "v_proj"))
-    all7 = build_bench_adapters(model_dir, root / "all7-r16", a.adapters, r=16, targets=ALL_SEVEN)
+    qv = build_bench_adapters(model_dir, root / "qv-r16", a.adapters, r=16, targets=("q_proj", "v_proj"), prefix="qv")
+    all7 = build_bench_adapters(model_dir, root / "all7-r16", a.adapters, r=16, targets=ALL_SEVEN, prefix="all7")
     print(f"workload W: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}")
     rows = []
     base = ours(model_dir, prompts, {}, None, a.new)
@@ -121,7 +126,7 @@ def main() -> None:
         rows.append(("HF+PEFT mixed batch, q,v", t_peft, f"P2 = ours/PEFT = {t_qv / t_peft:.2f}x (>= 4x)"))
     if not a.skip_p4:
         many = build_bench_adapters(model_dir, root / "qv-r16-1000", 1000, r=16, targets=("q_proj", "v_proj"),
-                                    seed=7)
+                                    seed=7, prefix="many")
         t5 = ours(model_dir, prompts, many, 5, a.new)
         t1000 = ours(model_dir, prompts, many, None, a.new)
         rows.append(("5 distinct adapters", t5, ""))
