@@ -91,7 +91,9 @@ def _parse_term(model: str, text: str, in_merge: bool) -> Term:
         text = ref
     m = _REF_RE.match(text)
     if not m:
-        raise _bad(model, f"{text!r} is not an adapter name (letters, digits, '.', '_', '-', optionally 'org/')")
+        raise _bad(
+            model, f"{text!r} is not an adapter name (letters, digits, '.', '_', '-', optionally 'org/')"
+        )
     version = m.group("version")
     return Term(m.group("name"), int(version) if version is not None else None, weight)
 

@@ -1,0 +1,129 @@
+"""The Serve application's configuration: one frozen dataclass, built from `serve run` / YAML args or the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import PurePath
+from typing import Any
+
+# Keywords LLMKernel accepts (app/replica/kernel.py); anything else in `kernel:` is a config error, said early.
+KERNEL_KEYS = frozenset(
+    {
+        "max_adapters",
+        "max_cpu_adapters",
+        "max_batch_size",
+        "gpu_memory_utilization",
+        "max_lora_rank",
+        "dtype",
+        "device",
+        "max_model_len",
+        "block_size",
+        "num_kv_blocks",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+        "max_waiting",
+    }
+)
+ROUTER_KEYS = frozenset({"overload_load", "overload_kv", "max_per_tier", "assignment_ttl_s"})
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Everything the ingress and replica deployments need; validated once, here."""
+
+    model: str
+    served_model_name: str | None = None  # the id clients put in `model`; default: the model folder's name
+    replicas: int = 1
+    replica_num_cpus: float = 1.0
+    replica_num_gpus: float = 0.0
+    ingress_num_cpus: float = 0.5
+    ingress_replicas: int = 1
+    # Per replica. The kernel batches these requests together, so this bounds its queue, not a thread count.
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = 1024  # per handle: beyond this callers get 429 + Retry-After
+    redis_url: str | None = None
+    adapter_store: str | None = None  # a folder or s3://bucket/prefix where `POST /v1/adapters {name}` looks
+    cache_dir: str | None = None
+    no_auth: bool = False
+    admin_token: str | None = None  # usually from LORALAND_ADMIN_TOKEN in the ingress's environment
+    kernel: dict[str, Any] = field(default_factory=dict)
+    router: dict[str, Any] = field(default_factory=dict)
+    heartbeat_s: float = 2.0
+    heartbeat_ttl_s: float = 10.0
+    routing_stats_period_s: float = 1.0
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model: required, a Hugging Face model folder or Hub id")
+        for name in ("replicas", "ingress_replicas", "max_ongoing_requests", "max_queued_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("replica_num_cpus", "replica_num_gpus", "ingress_num_cpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+        for name in ("heartbeat_s", "heartbeat_ttl_s", "routing_stats_period_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+        if self.heartbeat_ttl_s <= self.heartbeat_s:
+            raise ValueError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
+                "or live replicas would flicker out of the placement"
+            )
+        bad = sorted(set(self.kernel) - KERNEL_KEYS)
+        if bad:
+            raise ValueError(f"kernel: unknown keys {bad}; LLMKernel accepts {sorted(KERNEL_KEYS)}")
+        bad = sorted(set(self.router) - ROUTER_KEYS)
+        if bad:
+            raise ValueError(f"router: unknown keys {bad}; the router accepts {sorted(ROUTER_KEYS)}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: {self.redis_url!r} is not a redis:// rediss:// or unix:// URL")
+
+    @property
+    def model_name(self) -> str:
+        """The id the base model answers to in `model` and in GET /v1/models."""
+        if self.served_model_name:
+            return self.served_model_name
+        return PurePath(self.model.rstrip("/")).name if self.model.startswith(("/", ".", "~")) else self.model
+
+    @property
+    def base_ids(self) -> frozenset[str]:
+        return frozenset({self.model_name, self.model})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AppConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown application args {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def coerce_args(args: dict[str, Any]) -> dict[str, Any]:
+    """`serve run app.main:app_builder replicas=2 no_auth=true` passes strings: turn them into field types."""
+    out: dict[str, Any] = {}
+    kinds = {f.name: str(f.type) for f in fields(AppConfig)}
+    for key, value in args.items():
+        kind = kinds.get(key, "")
+        if isinstance(value, str):
+            if kind.startswith("bool"):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(f"{key}: expected true or false, got {value!r}")
+                value = value.lower() in ("true", "1", "yes")
+            elif kind.startswith("int"):
+                value = int(value)
+            elif kind.startswith("float"):
+                value = float(value)
+            elif kind.startswith("dict"):
+                import json
+
+                value = json.loads(value)
+            elif "None" in kind and value.lower() in ("", "none", "null"):
+                value = None
+        out[key] = value
+    return out

@@ -1,0 +1,277 @@
+"""The plain-Python half of a replica (no Ray): one LLMKernel, adapters pulled on demand through the
+AdapterHub (verified against the catalog's sha256s), heartbeats and catalog events, and `generate`, which
+streams reply items as dicts: first {"replica": id}, then {"index", "text", "finish_reason",
+"prompt_tokens", "completion_tokens"} per new text, or one {"error": {...}, "status"} (errors travel in-band
+so their type and status survive Ray's serialization). app/replica/deployment.py wraps it for Serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from app.app_config import AppConfig
+from app.errors import AdapterUnavailable, LoraLandError
+from app.router.http_errors import error_payload
+from app.router.openai_schema import render_chat
+from app.settings import Settings
+
+log = logging.getLogger("loraland.replica")
+
+
+class ReplicaCore:
+    """Kernel + adapter loading + catalog heartbeats; `generate` is what the deployment exposes."""
+
+    def __init__(
+        self, cfg: AppConfig, replica_id: str, *, kernel: Any = None, catalog: Any = None, extra=None
+    ):
+        from app.catalog.sources import AdapterHub
+        from loraland import LLMKernel
+
+        self.cfg, self.replica_id, self.extra = cfg, replica_id, dict(extra or {})
+        settings = Settings.from_env()
+        changes: dict[str, Any] = {"redis_url": cfg.redis_url or settings.redis_url}
+        if cfg.cache_dir:
+            changes["cache_dir"] = Path(cfg.cache_dir)
+        self.settings = dataclasses.replace(settings, **changes)
+        self.catalog = catalog if catalog is not None else self._connect()
+        self.hub = AdapterHub(catalog=self.catalog, settings=self.settings)
+        self.kernel = kernel if kernel is not None else LLMKernel(cfg.model, hub=self.hub, **cfg.kernel)
+        self._held: dict[str, str] = {}  # ref -> name, adapters this replica registered with its kernel
+        self._loading: dict[str, asyncio.Future] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._unsubscribe = None
+
+    def _connect(self):
+        if not self.settings.redis_url:
+            return None
+        from app.catalog.store import Catalog
+
+        try:
+            return Catalog(self.settings.redis_url)
+        except LoraLandError as e:  # serve what we can; heartbeats retry
+            log.warning("catalog unreachable at start (%s); serving without placement until it returns", e)
+            return None
+
+    # ------------------------------------------------------------------ background: heartbeats, events
+    def start(self) -> None:
+        t = threading.Thread(target=self._heartbeat_loop, name="loraland-heartbeat", daemon=True)
+        t.start()
+        self._threads.append(t)
+        if self.catalog is not None:
+            try:
+                self._unsubscribe = self.catalog.subscribe(self._on_event)
+            except Exception as e:
+                log.warning("cannot subscribe to catalog events (%s); removed adapters unload on restart", e)
+
+    def _heartbeat_loop(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                self.heartbeat_once()
+                if failing:
+                    log.info("catalog heartbeats are back")
+                failing = False
+            except Exception as e:
+                if not failing:
+                    log.warning(
+                        "catalog heartbeat failed (%s); still serving, retrying every %ss",
+                        e,
+                        self.cfg.heartbeat_s,
+                    )
+                failing = True
+            self._stop.wait(self.cfg.heartbeat_s)
+
+    def heartbeat_once(self) -> None:
+        if self.catalog is None:
+            self.catalog = self._connect()
+            if self.catalog is None:
+                return
+        s = self.routing_stats()
+        busy = s["running"] + s["queue_len"]
+        self.catalog.heartbeat(
+            self.replica_id,
+            resident=s["resident"],
+            free_slots=s["free_slots"],
+            load=busy / max(1, self.cfg.max_ongoing_requests),
+            queue_len=s["queue_len"],
+            kv_usage=s["kv_usage"],
+            ttl_s=self.cfg.heartbeat_ttl_s,
+            extra={"device_resident": s["device_resident"], "running": s["running"], **self.extra},
+        )
+
+    def _on_event(self, event: dict) -> None:
+        name, kind = event.get("name"), event.get("type")
+        versions = event.get("versions") or ([event["version"]] if event.get("version") is not None else None)
+        for ref, held_name in list(self._held.items()):
+            if held_name != name or (versions is not None and ref not in {f"{name}@{v}" for v in versions}):
+                continue
+            try:
+                if kind == "removed":
+                    self._held.pop(ref, None)
+                    self.kernel.unload_adapter(name)
+                elif kind == "pinned":
+                    (self.kernel.pin if event.get("pinned", True) else self.kernel.unpin)(name)
+            except Exception as e:  # already gone, or in use: the kernel's LRU finishes the job
+                log.info("catalog event %s for %s: %s", kind, ref, e)
+
+    # ------------------------------------------------------------------ stats
+    def held_refs(self) -> tuple[list[str], list[str]]:
+        """(refs registered with the kernel, refs of those in a device slot); the kernel reports bare names."""
+        s = self.kernel.stats()
+        loaded, on_device = set(s.get("loaded") or ()), set(s.get("resident") or ())
+        held = sorted(ref for ref, name in self._held.items() if name in loaded)
+        return held, [ref for ref in held if self._held[ref] in on_device]
+
+    def routing_stats(self) -> dict[str, Any]:
+        s = self.kernel.stats()
+        held, on_device = self.held_refs()
+        return {
+            "replica_id": self.replica_id,
+            "resident": held,
+            "device_resident": on_device,
+            "free_slots": int(s.get("free_slots", 0)),
+            "queue_len": int(s.get("queue_len", 0)),
+            "running": int(s.get("running", 0)),
+            "kv_usage": float(s.get("kv_usage", 0.0)),
+            "loading": sorted(self._loading),
+            **self.extra,
+        }
+
+    # ------------------------------------------------------------------ adapters
+    async def ensure(self, record: dict) -> None:
+        """Fetch (verified) and register one adapter version with the kernel, once, off the event loop."""
+        ref = record["ref"]
+        if ref in self._held:
+            return
+        pending = self._loading.get(ref)
+        if pending is None:
+            pending = asyncio.ensure_future(self._load(record))
+            self._loading[ref] = pending
+            pending.add_done_callback(lambda _f: self._loading.pop(ref, None))
+        await asyncio.shield(pending)
+
+    def _registered(self, ref: str, name: str) -> None:
+        # The kernel keeps one live version per name: registering v2 retires v1 for new requests.
+        for old in [r for r, n in self._held.items() if n == name and r != ref]:
+            self._held.pop(old, None)
+        self._held[ref] = name
+
+    async def _load(self, record: dict) -> None:
+        t0 = time.monotonic()
+        try:
+            path = await asyncio.to_thread(self.hub.fetch, record["uri"], files=record.get("files") or None)
+        except LoraLandError:
+            raise
+        except Exception as e:
+            raise AdapterUnavailable(
+                f"adapter {record['ref']}: cannot fetch {record['uri']} ({e}); retry later"
+            ) from e
+        await asyncio.to_thread(self.kernel.load_adapter, record["name"], path, version=record["version"])
+        self._registered(record["ref"], record["name"])
+        if record.get("pinned"):
+            self.kernel.pin(record["name"])
+        log.info("loaded adapter %s from %s in %.2fs", record["ref"], record["uri"], time.monotonic() - t0)
+
+    async def inspect(self, uri: str) -> dict:
+        """inspect_adapter's reply as {"ok": summary} or an in-band error payload (for the ingress)."""
+        try:
+            return {"ok": await self.inspect_adapter(uri)}
+        except Exception as e:
+            return error_payload(e)
+
+    async def inspect_adapter(self, uri: str) -> dict:
+        """Fetch an adapter named over HTTP (local roots restricted) and validate it against this base model."""
+        from app.adapter_format import adapter_summary, read_adapter
+
+        path = await asyncio.to_thread(self.hub.fetch, uri, untrusted=True)
+        await asyncio.to_thread(
+            read_adapter, path, self.kernel.model_config, max_rank=getattr(self.kernel, "max_lora_rank", 64)
+        )
+        summary = await asyncio.to_thread(adapter_summary, path)
+        return {**summary, "base_model": self.kernel.model_config.identity()}
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        yield {"replica": self.replica_id}
+        try:
+            for record in request.get("records") or ():
+                await self.ensure(record)
+            if request.get("messages") is not None:
+                prompts: list = [render_chat(request["messages"], self.kernel.tokenizer)]
+            else:
+                prompts = list(request["prompts"])
+            adapter = request.get("adapter") or None
+            n = int(request.get("n", 1))
+            sampling = dict(request.get("sampling") or {})
+            async for item in self._fan_in(prompts, adapter, n, sampling):
+                yield item
+        except Exception as e:
+            if not isinstance(e, LoraLandError):
+                log.exception("request failed on replica %s", self.replica_id)
+            yield error_payload(e)
+
+    async def _fan_in(
+        self, prompts: list, adapter: str | None, n: int, sampling: dict
+    ) -> AsyncIterator[dict]:
+        """All choices (prompts x n) run concurrently in the kernel's batch; deltas interleave by index."""
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                kw = dict(sampling)
+                if n > 1 and kw.get("seed") is not None:
+                    kw["seed"] = kw["seed"] + j  # same seed for every choice would repeat one answer n times
+                # generate() validates eagerly: a bad prompt fails here, before any task starts.
+                streams.append((i * n + j, self.kernel.generate(prompt, adapter, **kw)))
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for d in stream:
+                    await queue.put((index, d, None))
+            except Exception as e:
+                await queue.put((index, None, e))
+
+        tasks = [asyncio.ensure_future(pump(idx, st)) for idx, st in streams]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, d, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if d.finish_reason == "abort":
+                    kind = AdapterUnavailable if d.error_kind == "adapter" else RuntimeError
+                    raise kind(d.error or "the request was aborted")
+                if d.finish_reason is not None:
+                    remaining -= 1
+                yield {
+                    "index": index,
+                    "text": d.text,
+                    "finish_reason": d.finish_reason,
+                    "prompt_tokens": d.prompt_tokens,
+                    "completion_tokens": d.completion_tokens,
+                }
+        finally:
+            for t in tasks:  # a client that went away aborts its sequences in the kernel
+                t.cancel()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._unsubscribe is not None:
+            try:
+                self._unsubscribe()
+            except Exception:
+                pass
+        if self.catalog is not None:
+            try:
+                self.catalog.drop_replica(self.replica_id)
+            except Exception:
+                pass
+        self.kernel.close()

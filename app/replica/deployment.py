@@ -1,0 +1,86 @@
+"""One Serve replica = one LLMKernel serving every adapter it holds in one shared batch.
+
+Requests arrive through the adapter-affinity router with the adapter as the multiplexed model id, but the
+replica does not use `@serve.multiplexed` (one model object per id) or `@serve.batch` (batches split by id):
+the kernel holds all adapters and batches requests of different adapters together itself. The work is done
+by ReplicaCore (app/replica/core.py); this module adapts it to Serve, and to the ingress in-process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from app.app_config import AppConfig
+from app.replica.core import ReplicaCore
+
+__all__ = ["LocalBackend", "ReplicaCore", "make_replica_deployment"]
+
+
+class LocalBackend:
+    """The ingress's Backend over a ReplicaCore in the same process (tests of the HTTP layer, no Ray)."""
+
+    def __init__(self, core: ReplicaCore):
+        self.core = core
+
+    def stream(self, request: dict, model_id: str) -> AsyncIterator[dict]:
+        return self.core.generate(request)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        if method != "inspect_adapter":
+            raise ValueError(f"unknown replica method {method!r}")
+        return await self.core.inspect(*args)
+
+
+def make_replica_deployment(cfg: AppConfig):
+    """The Serve deployment for replicas, configured from `cfg` (resources, router, stats period)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    @serve.deployment(
+        name="LoraReplica",
+        num_replicas=cfg.replicas,
+        ray_actor_options={"num_cpus": cfg.replica_num_cpus, "num_gpus": cfg.replica_num_gpus},
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        max_queued_requests=cfg.max_queued_requests,
+        request_router_config=RequestRouterConfig(
+            request_router_class="app.router.request_router:AdapterAffinityRouter",
+            request_router_kwargs=dict(cfg.router),
+            request_routing_stats_period_s=cfg.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 5 * cfg.routing_stats_period_s),
+        ),
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+    )
+    class LoraReplica:
+        def __init__(self, config: dict):
+            ctx = serve.get_replica_context()
+            rid = ctx.replica_id
+            self.core = ReplicaCore(
+                AppConfig.from_dict(config), rid.unique_id, extra={"actor_name": rid.to_full_id_str()}
+            )
+            self.core.start()
+
+        async def generate(self, request: dict) -> AsyncIterator[dict]:
+            async for item in self.core.generate(request):
+                yield item
+
+        async def inspect_adapter(self, uri: str) -> dict:
+            return await self.core.inspect(uri)
+
+        def record_routing_stats(self) -> dict[str, Any]:
+            return self.core.routing_stats()
+
+        def check_health(self) -> None:
+            # The kernel's step loop runs on its own thread; if it died, no request can finish here.
+            t = getattr(getattr(self.core.kernel, "engine", None), "_thread", None)
+            if t is not None and not t.is_alive():
+                raise RuntimeError("the kernel's step loop died")
+
+        def __del__(self):
+            core = getattr(self, "core", None)
+            if core is not None:
+                core.close()
+
+    return LoraReplica

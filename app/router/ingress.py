@@ -1,0 +1,222 @@
+"""The OpenAI-compatible HTTP API (FastAPI) and the Serve deployment that hosts it.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (stream: true = server-sent events), GET /v1/models;
+admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/placement; GET /healthz.
+Every error is OpenAI-shaped, with its status chosen in app/router/http_errors.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from app.app_config import AppConfig
+from app.router import openai_schema as oa
+from app.router.auth import Authenticator
+from app.router.http_errors import error_reply
+from app.router.service import CatalogProxy, IngressService, _cancel, _merge, _raise_if_error
+from app.settings import Settings
+
+log = logging.getLogger("loraland.ingress")
+
+REPLICA_HEADER = "X-LoraLand-Replica"
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    reply = error_reply(exc)
+    if reply.status >= 500 and not reply.retryable:
+        log.error("request failed: %r", exc, exc_info=exc)
+    return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
+
+
+def build_api(service: IngressService, auth: Authenticator) -> FastAPI:
+    """The FastAPI app for `service`; used by the Serve deployment and directly by in-process tests."""
+    api = FastAPI(title="LoRA-Land", docs_url=None, redoc_url=None)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        caller = auth.caller(request.headers.get("authorization"))
+        req = oa.validate(
+            oa.ChatRequest if chat else oa.CompletionRequest, oa.parse_body(await request.body())
+        )
+        spec, records = await service.resolve(req.model, caller)
+        rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        payload = service.payload(req, spec, records, chat, rid)
+        model_id = spec.canonical()
+        if req.stream:
+            return await _stream(service, req, payload, model_id, rid, chat)
+        replica, choices = await service.collect(payload, model_id)
+        body = oa.completion_response(
+            rid, req.model, [choices[i] for i in sorted(choices)], service.usage_of(choices, req.n), chat
+        )
+        return JSONResponse(body, headers={REPLICA_HEADER: replica or ""})
+
+    def guarded(fn):
+        # functools.wraps keeps fn's signature visible to FastAPI (path parameters).
+        @functools.wraps(fn)
+        async def route(request: Request, **kw: Any) -> Response:
+            try:
+                return await fn(request, **kw)
+            except Exception as e:
+                return _error_response(e)
+
+        return route
+
+    @api.post("/v1/completions")
+    @guarded
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    @guarded
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    @api.get("/v1/models")
+    @guarded
+    async def models(request: Request) -> Response:
+        caller = auth.caller(request.headers.get("authorization"))
+        return JSONResponse(await service.models(caller))
+
+    @api.get("/v1/placement")
+    @guarded
+    async def placement(request: Request) -> Response:
+        auth.admin(request.headers.get("authorization"))
+        return JSONResponse(await service.placement())
+
+    @api.post("/v1/adapters")
+    @guarded
+    async def add_adapter(request: Request) -> Response:
+        auth.admin(request.headers.get("authorization"))
+        return JSONResponse(await service.register(oa.parse_body(await request.body())), status_code=201)
+
+    @api.get("/v1/adapters")
+    @guarded
+    async def list_adapters(request: Request) -> Response:
+        auth.admin(request.headers.get("authorization"))
+        records = await asyncio.to_thread(lambda: service.catalog.get().list(None))
+        return JSONResponse({"object": "list", "data": [r.to_dict() for r in records]})
+
+    @api.get("/v1/adapters/{name:path}")
+    @guarded
+    async def get_adapter(request: Request, name: str) -> Response:
+        auth.admin(request.headers.get("authorization"))
+        record = await asyncio.to_thread(lambda: service.catalog.get().get(name))
+        if record is None:
+            from app.errors import UnknownAdapter
+
+            raise UnknownAdapter(f"no adapter {name!r} in the catalog")
+        return JSONResponse(record.to_dict())
+
+    @api.delete("/v1/adapters/{name:path}")
+    @guarded
+    async def delete_adapter(request: Request, name: str) -> Response:
+        auth.admin(request.headers.get("authorization"))
+        removed = await asyncio.to_thread(lambda: service.catalog.get().remove(name))
+        service.forget(name.partition("@")[0])
+        if not removed:
+            from app.errors import UnknownAdapter
+
+            raise UnknownAdapter(f"no adapter {name!r} in the catalog")
+        return JSONResponse({"id": name, "object": "adapter", "deleted": True, "versions": removed})
+
+    @api.get("/healthz")
+    async def healthz() -> Response:
+        try:
+            await asyncio.to_thread(lambda: service.catalog.get().replicas())
+            catalog = "ok"
+        except Exception as e:
+            catalog = f"unavailable: {e}"
+        return JSONResponse({"status": "ok", "model": service.cfg.model_name, "catalog": catalog})
+
+    return api
+
+
+async def _stream(
+    service: IngressService, req: Any, payload: dict, model_id: str, rid: str, chat: bool
+) -> Response:
+    # The first output is awaited before answering, so errors found at admission (unknown adapter, prompt too
+    # long, queue full) get their real status code instead of a 200 with an error event.
+    replica, first, stream = await service.open(payload, model_id)
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+    async def events() -> AsyncIterator[bytes]:
+        choices: dict[int, dict] = {}
+        started: set[int] = set()
+        item, done = first, False
+        try:
+            while True:
+                _merge(choices, item)
+                idx = item["index"]
+                reason = oa.finish_reason(item["finish_reason"])
+                if item["text"] or reason is not None or idx not in started:
+                    yield oa.sse(
+                        oa.stream_chunk(rid, req.model, idx, item["text"], reason, chat, idx not in started)
+                    )
+                    started.add(idx)
+                try:
+                    item = _raise_if_error(await service._next(stream))
+                except StopAsyncIteration:
+                    break
+            done = True
+            if include_usage:
+                yield oa.sse(oa.usage_chunk(rid, req.model, service.usage_of(choices, req.n), chat))
+        except Exception as e:
+            # Headers are gone: the error travels as an event the openai client raises as APIError.
+            reply = error_reply(e)
+            yield oa.sse({**reply.body, "status": reply.status})
+        finally:
+            if not done:
+                _cancel(stream)
+        yield oa.SSE_DONE
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={REPLICA_HEADER: replica or "", "Cache-Control": "no-cache"},
+    )
+
+
+class ServeBackend:
+    """Calls the replica deployment; the adapter ref rides as the multiplexed model id for the router."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    def stream(self, request: dict, model_id: str) -> AsyncIterator[dict]:
+        return self.handle.options(stream=True, multiplexed_model_id=model_id).generate.remote(request)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await getattr(self.handle, method).remote(*args)
+
+
+def make_ingress_deployment(cfg: AppConfig):
+    from ray import serve
+
+    @serve.deployment(
+        name="Ingress",
+        num_replicas=cfg.ingress_replicas,
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        # The ingress only awaits replicas; its concurrency bound is the replicas' queues, not its own.
+        max_ongoing_requests=max(1000, cfg.max_queued_requests),
+    )
+    @serve.ingress()
+    class Ingress:
+        def __init__(self, replicas: Any, config: dict):
+            self.cfg = AppConfig.from_dict(config)
+            settings = Settings.from_env()
+            self.catalog = CatalogProxy(self.cfg.redis_url or settings.redis_url)
+            self.service = IngressService(self.cfg, ServeBackend(replicas), self.catalog)
+            self.auth = Authenticator(
+                self.catalog, self.cfg.admin_token or settings.admin_token, no_auth=self.cfg.no_auth
+            )
+
+        def __serve_build_asgi_app__(self):
+            return build_api(self.service, self.auth)
+
+    return Ingress

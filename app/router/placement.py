@@ -1,0 +1,137 @@
+"""Where a request should run: a pure ranking of replicas for a set of adapters.
+
+Tiers, best first:
+  1. replicas that already hold every adapter the request needs and are not overloaded (a cache hit);
+  2. replicas with enough free adapter slots to load the missing ones without evicting, least loaded first;
+  3. every other replica, least loaded first (a load here may evict the replica's least recently used adapter,
+     and an overloaded holder still beats failing the request).
+Within a tier the order is by load; Ray Serve then probes the first few and takes the shortest queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the router knows about one replica (from `record_routing_stats()` and its own queue counts)."""
+
+    replica_id: str
+    resident: frozenset[str] = frozenset()
+    free_slots: int = 0
+    queue_len: int = 0  # waiting inside the replica's kernel
+    running: int = 0  # sequences in the kernel's batch
+    ongoing: int = 0  # requests the router has sent and not seen finish
+    max_ongoing: int = 1
+    kv_usage: float = 0.0
+    loading: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def load(self) -> float:
+        """Fraction of the replica's request capacity in use (the larger of the two views of it)."""
+        busy = max(self.ongoing, self.running + self.queue_len)
+        return busy / max(1, self.max_ongoing)
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    """Thresholds; frozen so the router and tests share one validated set."""
+
+    overload_load: float = 0.9  # load at which a holder stops being preferred
+    overload_kv: float = 0.95  # KV cache fraction at which a holder stops being preferred
+    max_per_tier: int = 4  # Ray probes every replica of a tier: keep it small
+
+    def __post_init__(self) -> None:
+        if not 0 < self.overload_load:
+            raise ValueError(f"overload_load must be > 0, got {self.overload_load}")
+        if not 0 < self.overload_kv <= 1:
+            raise ValueError(f"overload_kv must be in (0, 1], got {self.overload_kv}")
+        if self.max_per_tier < 1:
+            raise ValueError(f"max_per_tier must be >= 1, got {self.max_per_tier}")
+
+    def overloaded(self, r: ReplicaView) -> bool:
+        return r.load >= self.overload_load or r.kv_usage >= self.overload_kv
+
+
+def _holders(
+    adapter: str, replicas: Mapping[str, ReplicaView], placement: Mapping[str, Collection[str]]
+) -> set[str]:
+    held = {rid for rid, r in replicas.items() if adapter in r.resident or adapter in r.loading}
+    held.update(rid for rid in placement.get(adapter, ()) if rid in replicas)
+    return held
+
+
+def rank_replicas(
+    adapters: Iterable[str],
+    replicas: Sequence[ReplicaView],
+    placement: Mapping[str, Collection[str]] | None = None,
+    policy: PlacementPolicy = PlacementPolicy(),
+) -> list[list[str]]:
+    """Rank replica ids into tiers for a request needing `adapters` (empty = the base model).
+
+    `placement` maps an adapter to replica ids known to hold it from other sources (the catalog, or
+    requests this router just sent there and whose load the stats don't show yet).
+    """
+    by_id = {r.replica_id: r for r in replicas}
+    needed = list(dict.fromkeys(a for a in adapters if a))
+    placement = placement or {}
+
+    def order(ids: Iterable[str]) -> list[str]:
+        # Ties broken by id so the ranking is deterministic (tests, and stable affinity).
+        return sorted(ids, key=lambda rid: (by_id[rid].load, by_id[rid].kv_usage, rid))
+
+    holds_all: set[str] = set(by_id)
+    missing: dict[str, int] = dict.fromkeys(by_id, 0)
+    for a in needed:
+        held = _holders(a, by_id, placement)
+        holds_all &= held
+        for rid in by_id:
+            if rid not in held:
+                missing[rid] += 1
+
+    tiers: list[list[str]] = []
+    taken: set[str] = set()
+    if needed:
+        hit = [rid for rid in holds_all if not policy.overloaded(by_id[rid])]
+        room = [
+            rid
+            for rid in by_id
+            if rid not in holds_all
+            and by_id[rid].free_slots >= missing[rid]
+            and not policy.overloaded(by_id[rid])
+        ]
+        for tier in (hit, room):
+            ranked = order(tier)[: policy.max_per_tier]
+            if ranked:
+                tiers.append(ranked)
+                taken.update(ranked)
+    else:
+        calm = order(rid for rid in by_id if not policy.overloaded(by_id[rid]))[: policy.max_per_tier]
+        if calm:
+            tiers.append(calm)
+            taken.update(calm)
+    rest = order(rid for rid in by_id if rid not in taken)
+    # The fallback tier is probed in slices so a big cluster is not probed all at once.
+    for i in range(0, len(rest), policy.max_per_tier):
+        tiers.append(rest[i : i + policy.max_per_tier])
+    return tiers
+
+
+def view_from_stats(
+    replica_id: str, stats: Mapping | None, *, ongoing: int = 0, max_ongoing: int = 1
+) -> ReplicaView:
+    """Build a ReplicaView from a replica's `record_routing_stats()` dict (missing keys = unknown = idle)."""
+    stats = stats or {}
+    return ReplicaView(
+        replica_id=replica_id,
+        resident=frozenset(stats.get("resident") or ()),
+        free_slots=int(stats.get("free_slots") or 0),
+        queue_len=int(stats.get("queue_len") or 0),
+        running=int(stats.get("running") or 0),
+        ongoing=ongoing,
+        max_ongoing=max_ongoing,
+        kv_usage=float(stats.get("kv_usage") or 0.0),
+        loading=frozenset(stats.get("loading") or ()),
+    )

@@ -1,0 +1,110 @@
+"""Adapter-affinity routing for the replica deployment: a Ray Serve `RequestRouter`.
+
+The adapter (or the canonical chain/merge spec) travels as the request's multiplexed model id. Replicas
+report what they hold through `record_routing_stats()`; those stats reach the router only every
+`request_routing_stats_period_s`, so the router also remembers where it just sent each adapter: a burst
+of requests for a cold adapter then lands on the one replica that is already loading it instead of
+making every replica fetch it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from app.router.placement import PlacementPolicy, rank_replicas, view_from_stats
+
+logger = logging.getLogger("ray.serve")
+
+# How long a "just sent there" memory counts without the replica's stats confirming it.
+ASSIGNMENT_TTL_S = 30.0
+
+
+def adapters_of(model_id: str) -> list[str]:
+    """The adapter refs a multiplexed model id needs: 'a@1|b@2' and 'a@1*0.5+b@2*0.5' need both."""
+    out: list[str] = []
+    for stage in model_id.split("|"):
+        for term in stage.split("+"):
+            ref = term.rpartition("*")[0] if "*" in term else term
+            if ref.strip():
+                out.append(ref.strip())
+    return out
+
+
+class AdapterAffinityRouter(RequestRouter):
+    """Ranks replicas with `placement.rank_replicas`; Serve probes each tier and takes the shortest queue."""
+
+    def initialize_state(
+        self,
+        overload_load: float = 0.9,
+        overload_kv: float = 0.95,
+        max_per_tier: int = 4,
+        assignment_ttl_s: float = ASSIGNMENT_TTL_S,
+        **_ignored,
+    ) -> None:
+        self._policy = PlacementPolicy(overload_load, overload_kv, max_per_tier)
+        self._assignment_ttl_s = assignment_ttl_s
+        # adapter ref -> {replica unique id -> last time this router sent it there}
+        self._assigned: dict[str, dict[str, float]] = {}
+
+    def _state_ready(self) -> None:
+        # initialize_state is only called when request_router_kwargs are given; be safe either way.
+        if not hasattr(self, "_policy"):
+            self.initialize_state()
+
+    def _recent_placement(self) -> dict[str, list[str]]:
+        now = time.time()
+        live = {r.replica_id.unique_id for r in self._replicas.values()}
+        out: dict[str, list[str]] = {}
+        for adapter, where in list(self._assigned.items()):
+            fresh = {rid: t for rid, t in where.items() if now - t < self._assignment_ttl_s and rid in live}
+            if fresh:
+                self._assigned[adapter] = fresh
+                out[adapter] = list(fresh)
+            else:
+                del self._assigned[adapter]
+        return out
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self._state_ready()
+        if not candidate_replicas:
+            return []
+        model_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = []
+        for r in candidate_replicas:
+            # The router's own count of requests in flight is fresher than the replica's last stats.
+            ongoing = self._replica_queue_len_cache.get(r.replica_id) or 0
+            views.append(
+                view_from_stats(
+                    r.replica_id.unique_id,
+                    r.routing_stats,
+                    ongoing=ongoing,
+                    max_ongoing=r.max_ongoing_requests,
+                )
+            )
+        tiers = rank_replicas(
+            adapters_of(model_id) if model_id else [], views, self._recent_placement(), self._policy
+        )
+        return [[by_uid[rid] for rid in tier] for tier in tiers]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self._state_ready()
+        model_id = pending_request.metadata.multiplexed_model_id
+        if not model_id:
+            return
+        now = time.time()
+        for adapter in adapters_of(model_id):
+            self._assigned.setdefault(adapter, {})[replica_id.unique_id] = now
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._state_ready()
+        for where in self._assigned.values():
+            where.pop(replica_id.unique_id, None)

@@ -1,0 +1,177 @@
+"""`loraland serve`: start a local Ray, deploy the app, serve until Ctrl-C (hooked into app/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import threading
+from contextlib import ExitStack
+from pathlib import Path
+
+from app.app_config import AppConfig
+
+log = logging.getLogger("loraland.serve")
+
+APP_NAME = "loraland"
+
+
+def register_serve(subparsers) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to an argparse subparsers object; it sets `func` to `run_serve`."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster")
+    p.add_argument("--model", required=True, help="Hugging Face model folder or Hub id")
+    p.add_argument("--served-model-name", default=None, help="the id clients use for the base model")
+    p.add_argument("--replicas", type=int, default=1, help="model replicas (each one LLMKernel)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    # dest differs from the top-level `loraland --redis` so neither parser's default overwrites the other.
+    p.add_argument(
+        "--redis",
+        dest="serve_redis",
+        default=None,
+        metavar="URL",
+        help="catalog Redis (default: $LORALAND_REDIS_URL, else a private local Redis)",
+    )
+    p.add_argument(
+        "--adapter-store",
+        default=None,
+        metavar="DIR|s3://bucket/prefix",
+        help="where POST /v1/adapters {name} finds adapters (a folder is also allowed as a local root)",
+    )
+    p.add_argument("--no-auth", action="store_true", help="no API keys, admin routes open: local demo ONLY")
+    p.add_argument("--replica-cpus", type=float, default=1.0)
+    p.add_argument(
+        "--replica-gpus", type=float, default=None, help="default: 1 when CUDA is available, else 0"
+    )
+    p.add_argument("--max-adapters", type=int, default=None, help="adapter slots per replica")
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def config_from_args(args: argparse.Namespace, redis_url: str) -> AppConfig:
+    kernel = {
+        k: v
+        for k, v in {
+            "max_adapters": args.max_adapters,
+            "max_batch_size": args.max_batch_size,
+            "max_model_len": args.max_model_len,
+            "dtype": args.dtype,
+        }.items()
+        if v is not None
+    }
+    gpus = args.replica_gpus
+    if gpus is None:
+        import torch
+
+        gpus = 1.0 if torch.cuda.is_available() else 0.0
+    store = args.adapter_store
+    if store and not store.startswith(("s3://", "hf://")):
+        store = str(Path(store).expanduser().resolve())
+    return AppConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        replicas=args.replicas,
+        replica_num_cpus=args.replica_cpus,
+        replica_num_gpus=gpus,
+        redis_url=redis_url,
+        adapter_store=store,
+        no_auth=args.no_auth,
+        kernel=kernel,
+    )
+
+
+def _env_for_workers(cfg: AppConfig) -> dict[str, str]:
+    """Replica and ingress processes read LORALAND_* through Settings; hand them this process's values."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("LORALAND_", "AWS_", "HF_"))}
+    env["LORALAND_REDIS_URL"] = cfg.redis_url or ""
+    if cfg.adapter_store and not cfg.adapter_store.startswith(("s3://", "hf://")):
+        roots = [r for r in env.get("LORALAND_LOCAL_ROOTS", "").split(":") if r]
+        env["LORALAND_LOCAL_ROOTS"] = ":".join([*roots, cfg.adapter_store])
+    return env
+
+
+def deploy(cfg: AppConfig, *, host: str, port: int, blocking: bool = False):
+    """Start Serve's HTTP proxy on host:port and deploy the application (Ray must be initialised)."""
+    from ray import serve
+
+    from app.main import build_app
+
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with ExitStack() as stack:
+        redis_url = getattr(args, "serve_redis", None) or getattr(args, "redis", None)
+        if redis_url is None:
+            from app.catalog.redis_server import start_redis
+
+            redis_url, stop_redis = start_redis()
+            stack.callback(stop_redis)
+            log.info(
+                "started a private Redis for the catalog at %s (stopped on exit; pass --redis for a real one)",
+                redis_url,
+            )
+        cfg = config_from_args(args, redis_url)
+        if cfg.no_auth:
+            log.warning(
+                "--no-auth: AUTHENTICATION IS OFF. Every caller can use every adapter and the admin "
+                "routes. Use this only for a local demo on a loopback address."
+            )
+        elif not (cfg.admin_token or os.environ.get("LORALAND_ADMIN_TOKEN")):
+            log.warning(
+                "LORALAND_ADMIN_TOKEN is not set: the admin routes (/v1/adapters, /v1/placement) are off"
+            )
+        # Logical CPUs are scheduling tokens: make sure the requested replicas fit on a small machine.
+        needed = math.ceil(cfg.replicas * cfg.replica_num_cpus + cfg.ingress_replicas * cfg.ingress_num_cpus)
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, needed),
+            runtime_env={"env_vars": _env_for_workers(cfg)},
+            include_dashboard=False,
+        )
+        stack.callback(ray.shutdown)
+        stack.callback(serve.shutdown)
+        deploy(cfg, host=args.host, port=args.port)
+        log.info(
+            "LoRA-Land is serving %s at http://%s:%d/v1 (Ctrl-C to stop)",
+            cfg.model_name,
+            args.host,
+            args.port,
+        )
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        log.info("shutting down")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`loraland serve`: deploy, serve until Ctrl-C/SIGTERM, then stop Serve, Ray and the private Redis."""
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:  # Ctrl-C while still deploying: everything started is already stopped
+        log.info("interrupted before the application was ready; stopped")
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m app.serve_cli serve --model ...`, for when app/cli.py does not list this module."""
+    parser = argparse.ArgumentParser(prog="loraland")
+    parser.add_argument("--redis", default=None, help=argparse.SUPPRESS)
+    register_serve(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""Pure parts of the HTTP surface: the `model` grammar, error mapping, SSE framing, request shaping, auth."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.errors import (
+    AdapterUnavailable,
+    CatalogUnavailable,
+    InvalidAdapter,
+    InvalidRequest,
+    QueueFull,
+    UnknownAdapter,
+)
+from app.router import openai_schema as oa
+from app.router.http_errors import HTTPFailure, error_payload, error_reply, replica_failed
+from app.router.model_spec import ModelSpec, Term, parse_model, resolved
+
+BASE = frozenset({"tiny", "/models/tiny"})
+
+
+@pytest.mark.parametrize(
+    "text, kind, canonical",
+    [
+        ("tiny", "base", ""),
+        ("/models/tiny", "base", ""),
+        ("sql", "adapter", "sql"),
+        ("acme/sql-expert", "adapter", "acme/sql-expert"),
+        ("acme/sql@3", "adapter", "acme/sql@3"),
+        ("fr|polish", "chain", "fr|polish"),
+        (" fr | polish@2 ", "chain", "fr|polish@2"),
+        ("a*0.7+b*0.3", "merge", "a*0.7+b*0.3"),
+        ("a*.5 + b@2*1e-1", "merge", "a*0.5+b@2*0.1"),
+        ("a*-1+b", "merge", "a*-1+b*1"),
+    ],
+)
+def test_model_field_grammar(text, kind, canonical):
+    spec = parse_model(text, BASE)
+    assert spec.kind == kind and spec.canonical() == canonical
+    assert parse_model(spec.canonical() or "tiny", BASE) == spec  # canonical form parses back to itself
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("", "required"),
+        ("a||b", "empty chain stage"),
+        ("a+", "empty merge term"),
+        ("a*0.5", "only allowed in a merge"),
+        ("a*zero+b", "not a number"),
+        ("a*0+b", "non-zero"),
+        ("a*inf+b", "not a number"),
+        ("a+a*2", "twice"),
+        ("bad name", "not an adapter name"),
+        ("x@v2", "not an adapter name"),
+        ("../etc", "not an adapter name"),
+        ("|".join("abcdefghi"), "at most 8 stages"),
+    ],
+)
+def test_model_field_errors_name_the_field(text, needle):
+    with pytest.raises(InvalidRequest, match=needle) as e:
+        parse_model(text, BASE)
+    assert e.value.param == "model"
+
+
+def test_model_field_must_be_a_string():
+    with pytest.raises(InvalidRequest, match="model: required"):
+        parse_model(42, BASE)
+
+
+def test_resolved_pins_versions():
+    spec = parse_model("a*0.5+b@2*0.5|c", BASE)
+    pinned = resolved(spec, {"a": 4, "b@2": 2, "c": 1})
+    assert pinned.canonical() == "a@4*0.5+b@2*0.5|c@1"
+    assert [t.ref for t in pinned.terms()] == ["a@4", "b@2", "c@1"]
+    assert ModelSpec(((Term("x", 1),),)).kind == "adapter"
+
+
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (UnknownAdapter("model: no such adapter"), 404, "model_not_found"),
+        (InvalidRequest("max_tokens: must be >= 1"), 400, "invalid_value"),
+        (InvalidAdapter("r=99 exceeds max_lora_rank"), 400, "invalid_adapter"),
+        (QueueFull("queue full", retry_after_s=3), 429, "queue_full"),
+        (AdapterUnavailable("s3 down"), 503, "adapter_unavailable"),
+        (CatalogUnavailable("redis://x down"), 503, "catalog_unavailable"),
+        (TimeoutError(), 504, "timeout"),
+        (HTTPFailure(403, "no", code="forbidden"), 403, "forbidden"),
+        (RuntimeError("secret internals"), 500, "internal_error"),
+    ],
+)
+def test_error_classes_map_to_one_status_each(exc, status, code):
+    reply = error_reply(exc)
+    assert reply.status == status
+    err = reply.body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+    if status == 500:
+        assert "secret" not in err["message"]  # no internals leak
+    if status in (429, 503, 504):
+        assert int(reply.headers["Retry-After"]) >= 1 and reply.retryable
+    if status == 429:
+        assert reply.headers["Retry-After"] == "3"
+
+
+def test_invalid_request_param_comes_from_the_message_prefix():
+    assert error_reply(InvalidRequest("top_p: must be in (0, 1]")).body["error"]["param"] == "top_p"
+    assert error_reply(InvalidRequest("the prompt has 900 tokens")).body["error"]["param"] is None
+
+
+def test_ray_errors_are_retryable_and_unwrapped():
+    from ray.exceptions import ActorDiedError, RayTaskError
+    from ray.serve.exceptions import BackPressureError
+
+    died = error_reply(ActorDiedError())
+    assert died.status == 503 and died.body["error"]["code"] == "replica_unavailable"
+    assert replica_failed(ActorDiedError()) and not replica_failed(QueueFull("x"))
+    bp = error_reply(BackPressureError(num_queued_requests=10, max_queued_requests=10, retry_after_s=2.0))
+    assert bp.status == 429 and bp.headers["Retry-After"] == "2"
+    wrapped = RayTaskError("generate", "traceback...", UnknownAdapter("model: gone")).as_instanceof_cause()
+    assert error_reply(wrapped).status == 404
+
+
+def test_in_band_error_payload_round_trips():
+    from app.router.service import ReplicaError
+
+    payload = error_payload(QueueFull("the replica's queue is full", retry_after_s=2))
+    json.dumps(payload)  # crosses Ray as plain data
+    again = error_reply(ReplicaError(payload))
+    assert again.status == 429 and again.headers["Retry-After"] == "2"
+    assert again.body["error"]["message"] == "the replica's queue is full"
+
+
+def test_sse_framing():
+    assert oa.sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert oa.SSE_DONE == b"data: [DONE]\n\n"
+    chunk = oa.stream_chunk("id1", "m", 0, "hé", None, chat=True, first=True)
+    assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "hé",
+    }
+    assert json.loads(oa.sse(chunk)[6:]) == chunk  # non-ASCII text survives
+    assert oa.finish_reason("abort") == "stop" and oa.finish_reason("length") == "length"
+
+
+def test_sampling_and_prompts_are_shaped_for_the_kernel():
+    req = oa.validate(
+        oa.CompletionRequest,
+        {
+            "model": "m",
+            "prompt": [[1, 2], [3]],
+            "max_tokens": 4,
+            "top_k": -1,
+            "stop": "\n",
+            "seed": 3,
+            "user": "u",
+        },
+    )
+    assert oa.sampling_of(req) == {"max_tokens": 4, "stop": "\n", "seed": 3}
+    assert oa.prompts_of(req) == [[1, 2], [3]]
+    assert oa.prompts_of(oa.validate(oa.CompletionRequest, {"model": "m", "prompt": [5, 6]})) == [[5, 6]]
+    chat = oa.validate(
+        oa.ChatRequest,
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "x"}]}
+            ],
+            "max_completion_tokens": 3,
+            "ignore_eos": True,
+            "top_k": 5,
+        },
+    )
+    assert oa.messages_of(chat) == [{"role": "user", "content": "hi x"}]
+    assert oa.sampling_of(chat) == {"max_tokens": 3, "top_k": 5, "ignore_eos": True}
+    assert oa.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m", "messages": []}, "messages"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}},
+            "stream_options",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1},
+            "presence_penalty",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_chat_validation_names_the_field(body, param):
+    with pytest.raises(InvalidRequest) as e:
+        req = oa.validate(oa.ChatRequest, body)
+        oa.messages_of(req)
+    assert e.value.param == param
+
+
+def test_auth_keys_survive_a_catalog_outage():
+    from app.catalog.redis_server import start_redis
+    from app.catalog.store import Catalog
+    from app.router.auth import Authenticator
+
+    url, stop = start_redis()
+    try:
+        catalog = Catalog(url)
+        key = catalog.create_tenant("acme")
+        other = catalog.create_tenant("other")
+        auth = Authenticator(catalog, "admintok")
+        assert auth.caller(f"Bearer {key}").tenant == "acme"
+        assert auth.caller("Bearer admintok").tenant is None and auth.admin("Bearer admintok").admin
+        with pytest.raises(HTTPFailure) as e:
+            auth.admin(f"Bearer {key}")
+        assert e.value.status == 403
+        with pytest.raises(HTTPFailure) as e:
+            auth.caller("Basic abc")
+        assert e.value.status == 401
+    finally:
+        stop()
+    # Redis is gone: a key seen a moment ago still works, an unseen one is a clear 503.
+    assert auth.caller(f"Bearer {key}").tenant == "acme"
+    with pytest.raises(CatalogUnavailable):
+        auth.caller(f"Bearer {other}")
+    assert error_reply(CatalogUnavailable("x")).status == 503
+    off = Authenticator(None, None, no_auth=True)
+    assert off.caller(None).tenant is None and off.admin(None).admin

@@ -1,0 +1,172 @@
+"""serve_config.yaml and cluster.yaml validate with Ray's own schemas and agree with the application builder."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.app_config import AppConfig, coerce_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def serve_yaml() -> dict:
+    return yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster_yaml() -> dict:
+    return yaml.safe_load((ROOT / "cluster.yaml").read_text())
+
+
+def test_serve_config_validates_with_ray_schema(serve_yaml):
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(serve_yaml)
+    (app,) = schema.applications
+    assert app.import_path == "app.main:app_builder" and app.route_prefix == "/"
+    assert {d.name for d in app.deployments} == {"LoraReplica", "Ingress"}
+
+
+def test_ray_schema_rejects_a_broken_serve_config(serve_yaml):
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    broken = copy.deepcopy(serve_yaml)
+    broken["applications"][0]["deployments"][0]["num_replicas"] = -1
+    with pytest.raises(ValidationError):
+        ServeDeploySchema.model_validate(broken)
+
+
+def test_builder_matches_the_yaml(serve_yaml):
+    from ray.serve._private.build_app import build_app
+    from ray.serve._private.utils import import_attr
+    from ray.serve.request_router import RequestRouter
+
+    from app.main import app_builder
+
+    app_cfg = serve_yaml["applications"][0]
+    args = app_cfg["args"]
+    built = build_app(app_builder(args), name=app_cfg["name"])
+    deployments = {d.name: d for d in built.deployments}
+    assert set(deployments) == {d["name"] for d in app_cfg["deployments"]}
+    replica = deployments["LoraReplica"]
+    router = replica._deployment_config.request_router_config
+    cls = import_attr(router.request_router_class)
+    assert inspect.isclass(cls) and issubclass(cls, RequestRouter)
+    assert router.request_routing_stats_period_s == AppConfig.from_dict(args).routing_stats_period_s
+    yaml_replica = next(d for d in app_cfg["deployments"] if d["name"] == "LoraReplica")
+    assert yaml_replica["num_replicas"] == args["replicas"]
+    assert yaml_replica["ray_actor_options"]["num_gpus"] == args["replica_num_gpus"] == 1
+    assert replica.ray_actor_options["num_gpus"] == 1
+    assert replica._deployment_config.max_ongoing_requests == args["max_ongoing_requests"]
+    # the handle-side queue bound (429 beyond it)
+    assert replica._deployment_config.max_queued_requests == args["max_queued_requests"]
+
+
+def test_cluster_yaml_validates_with_ray_autoscaler_schema(cluster_yaml):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(cluster_yaml))
+    validate_config(prepared)
+    nodes = prepared["available_node_types"]
+    head = nodes[prepared["head_node_type"]]
+    workers = [n for name, n in nodes.items() if name != prepared["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0  # the head only routes
+    assert workers and all(w["resources"].get("GPU", 0) >= 1 for w in workers)
+    setup = " ".join(prepared["setup_commands"])
+    assert "pip install" in setup and "loraland" in setup  # the project is installed on every node
+    assert "redis-server" not in setup  # Redis comes by URL, not from the cluster
+
+
+def test_ray_autoscaler_rejects_a_broken_cluster_yaml(cluster_yaml):
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    broken = copy.deepcopy(cluster_yaml)
+    broken["available_node_types"]["head"]["not_a_field"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(broken))
+
+
+def test_ingress_runs_on_the_head(serve_yaml, cluster_yaml):
+    ingress = next(d for d in serve_yaml["applications"][0]["deployments"] if d["name"] == "Ingress")
+    wanted = ingress["ray_actor_options"]["resources"]
+    head = cluster_yaml["available_node_types"][cluster_yaml["head_node_type"]]
+    for resource, amount in wanted.items():
+        assert head["resources"][resource] >= amount * ingress["num_replicas"]
+        assert resource in " ".join(cluster_yaml["head_start_ray_commands"])
+    assert serve_yaml["proxy_location"] == "HeadOnly"
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"kernel": {"max_adaptors": 3}}, "kernel"),
+        ({"router": {"speed": 1}}, "router"),
+        ({"redis_url": "http://x"}, "redis_url"),
+        ({"replicas": 0}, "replicas"),
+        ({"heartbeat_ttl_s": 1.0, "heartbeat_s": 2.0}, "heartbeat_ttl_s"),
+        ({"model": ""}, "model"),
+    ],
+)
+def test_app_config_errors_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        AppConfig(**{"model": "m", **change})
+
+
+def test_app_config_from_serve_run_strings():
+    args = coerce_args(
+        {
+            "model": "/models/tiny",
+            "replicas": "2",
+            "no_auth": "true",
+            "replica_num_cpus": "0.5",
+            "redis_url": "none",
+        }
+    )
+    cfg = AppConfig.from_dict(args)
+    assert (cfg.replicas, cfg.no_auth, cfg.replica_num_cpus, cfg.redis_url) == (2, True, 0.5, None)
+    assert cfg.model_name == "tiny" and cfg.base_ids == {"tiny", "/models/tiny"}
+    assert AppConfig(model="org/model").model_name == "org/model"
+    with pytest.raises(ValueError, match="unknown application args"):
+        AppConfig.from_dict({"model": "m", "replica": 2})
+    with pytest.raises(ValueError, match="no_auth"):
+        coerce_args({"no_auth": "maybe"})
+
+
+def test_loraland_serve_arguments():
+    from app.serve_cli import config_from_args, register_serve
+
+    parser = argparse.ArgumentParser(prog="loraland")
+    parser.add_argument("--redis", default=None)
+    register_serve(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        [
+            "serve",
+            "--model",
+            "/m/tiny",
+            "--replicas",
+            "2",
+            "--port",
+            "8123",
+            "--redis",
+            "redis://127.0.0.1:1/0",
+        ]
+        + ["--adapter-store", "s3://bucket/prefix", "--no-auth", "--replica-gpus", "0", "--max-adapters", "8"]
+    )
+    assert args.func.__name__ == "run_serve" and args.host == "127.0.0.1" and args.port == 8123
+    cfg = config_from_args(args, args.serve_redis)
+    assert (cfg.replicas, cfg.redis_url, cfg.adapter_store, cfg.no_auth) == (
+        2,
+        "redis://127.0.0.1:1/0",
+        "s3://bucket/prefix",
+        True,
+    )
+    assert cfg.kernel == {"max_adapters": 8} and cfg.replica_num_gpus == 0
