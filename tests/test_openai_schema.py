@@ -16,7 +16,7 @@ from app.errors import (
 )
 from app.router import openai_schema as oa
 from app.router.http_errors import HTTPFailure, error_payload, error_reply, replica_failed
-from app.router.model_spec import ModelSpec, Term, parse_model, resolved
+from app.model_spec import ModelSpec, Term, parse_model, resolved
 
 BASE = frozenset({"tiny", "/models/tiny"})
 

@@ -167,14 +167,16 @@ class ReplicaCore:
     async def _load(self, record: dict) -> None:
         t0 = time.monotonic()
         try:
-            path = await asyncio.to_thread(self.hub.fetch, record["uri"], files=record.get("files") or None)
+            # The kernel fetches through the hub with the catalog's checksums, now and whenever it re-reads
+            # the adapter after evicting it from host memory (the disk cache may have dropped it by then).
+            await asyncio.to_thread(self.kernel.load_adapter, record["name"], record["uri"],
+                                    version=record["version"], files=record.get("files") or None)
         except LoraLandError:
             raise
         except Exception as e:
             raise AdapterUnavailable(
                 f"adapter {record['ref']}: cannot fetch {record['uri']} ({e}); retry later"
             ) from e
-        await asyncio.to_thread(self.kernel.load_adapter, record["name"], path, version=record["version"])
         self._registered(record["ref"], record["name"])
         if record.get("pinned"):
             self.kernel.pin(record["name"])

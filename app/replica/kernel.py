@@ -15,7 +15,7 @@ from app.adapter_format import LoraWeights, merge_adapters, read_adapter
 from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest, UnknownAdapter
 from app.model_config import ModelConfig
 from app.replica.adapters import AdapterManager
-from app.router.model_spec import ModelSpec, Term, parse_model
+from app.model_spec import ModelSpec, Term, parse_model
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.kv_cache import KVCache
 from app.replica.model import Model, resolve_dtype
@@ -129,33 +129,37 @@ class LLMKernel:
             self._hub = AdapterHub()
         return self._hub
 
-    def _materialize(self, source: str | Path) -> Path:
-        """A local adapter folder for `source`: a folder as is, s3:// hf:// file:// through the hub."""
+    def _materialize(self, source: str | Path, files: dict[str, str] | None = None) -> Path:
+        """A local adapter folder for `source`: a folder as is, s3:// hf:// file:// (or anything with expected
+        checksums) through the hub, which verifies and caches it."""
         text = str(source)
-        if text.startswith(("s3://", "hf://", "file://")):
-            return Path(self.hub.fetch(text))
+        if files or text.startswith(("s3://", "hf://", "file://")):
+            return Path(self.hub.fetch(text, files=files))
         p = Path(text).expanduser()
         if not p.is_dir():
             raise InvalidAdapter(f"adapter source {text!r} is not a folder nor an s3://, hf:// or file:// URI")
         return p
 
-    def _read(self, source: str | Path, name: str) -> LoraWeights:
-        return read_adapter(self._materialize(source), self.model_config, max_rank=self.max_lora_rank, name=name)
+    def _read(self, source: str | Path, name: str, files: dict[str, str] | None = None) -> LoraWeights:
+        folder = self._materialize(source, files)
+        return read_adapter(folder, self.model_config, max_rank=self.max_lora_rank, name=name)
 
-    def load_adapter(self, name: str, source: str | Path, *, version: int | None = None) -> None:
+    def load_adapter(self, name: str, source: str | Path, *, version: int | None = None,
+                     files: dict[str, str] | None = None) -> None:
         """Parse and validate an adapter and make it servable under `name` (a new version if it exists).
+        `files` (filename -> sha256) makes the hub verify what it fetches, now and on every re-read.
         Blocks the caller only; requests already running keep decoding."""
         from app.catalog.names import check_name
 
         check_name(name)
-        weights = self._read(source, name)
+        weights = self._read(source, name, files)
         with self._adapter_lock:
             v = version if version is not None else self._versions.get(name, 0) + 1
             self._versions[name] = max(v, self._versions.get(name, 0))
 
         def reload() -> LoraWeights:
             try:
-                return self._read(source, name)
+                return self._read(source, name, files)
             except (InvalidAdapter, AdapterUnavailable):
                 raise
             except Exception as e:

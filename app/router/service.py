@@ -19,7 +19,7 @@ from app.errors import CatalogUnavailable, UnknownAdapter
 from app.router import openai_schema as oa
 from app.router.auth import Caller
 from app.router.http_errors import HTTPFailure, replica_failed
-from app.router.model_spec import ModelSpec, parse_model, resolved
+from app.model_spec import ModelSpec, parse_model, resolved
 
 log = logging.getLogger("loraland.ingress")
 
