@@ -1,0 +1,206 @@
+"""`loraland adapters ...`: push, register, list, show, rm, pin/unpin, validate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.catalog.cli_output import catalog_from_args, human_size, print_json, table
+from app.errors import InvalidAdapter, InvalidRequest, UnknownAdapter
+
+
+def _model_config(model: str) -> Any:
+    from app.model_config import ModelConfig
+
+    if Path(model).expanduser().is_dir():
+        return ModelConfig.from_folder(Path(model).expanduser())
+    try:
+        from huggingface_hub import snapshot_download
+
+        return ModelConfig.from_folder(snapshot_download(model, allow_patterns=["config.json"]))
+    except Exception as e:
+        raise InvalidRequest(
+            f"cannot read the base model {model!r}: not a folder, and the Hub said: {e}"
+        ) from None
+
+
+def _inspect(folder: Path, model: str | None, max_rank: int) -> tuple[dict, dict]:
+    """(adapter_summary, base model identity) of an adapter folder, validated against `model` when given."""
+    from app.adapter_format import adapter_summary, read_adapter
+
+    summary = adapter_summary(folder)
+    if summary["rank"] > max_rank:
+        raise InvalidAdapter(f"adapter {folder}: r={summary['rank']} exceeds --max-rank {max_rank}")
+    if model is None:
+        print(
+            "loraland: warning: no --model given, so the base model is not recorded and an incompatible "
+            "replica finds out only when it loads the adapter",
+            file=sys.stderr,
+        )
+        return summary, {}
+    config = _model_config(model)
+    read_adapter(folder, config, max_rank=max_rank)
+    return summary, config.identity()
+
+
+def _register(
+    args: argparse.Namespace, catalog: Any, uri: str, summary: dict, base: dict, files: dict
+) -> int:
+    record = catalog.register(
+        args.name,
+        uri,
+        files=files,
+        size=int(summary["size"]),
+        rank=int(summary["rank"]),
+        alpha=float(summary["alpha"]),
+        target_modules=list(summary["target_modules"]),
+        base_model=base,
+        tenant=args.tenant,
+        public=args.public,
+        use_rslora=bool(summary.get("use_rslora")),
+    )
+    if args.json:
+        print_json(record.to_dict())
+    else:
+        print(
+            f"registered {record.ref}: {record.uri} (rank {record.rank}, {len(files)} files, {human_size(record.size)})"
+        )
+    return 0
+
+
+def _check_owner(args: argparse.Namespace, catalog: Any) -> None:
+    from app.catalog.names import check_name, check_tenant
+
+    check_name(args.name)
+    if args.tenant is not None:
+        check_tenant(args.tenant)
+        if args.tenant not in {t["name"] for t in catalog.list_tenants()}:
+            raise InvalidRequest(
+                f"unknown tenant {args.tenant!r}: create it with `loraland tenants create {args.tenant}`"
+            )
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from app.catalog import s3
+    from app.catalog.sources import AdapterHub
+
+    catalog = catalog_from_args(args)  # fail before uploading anything if the catalog is unreachable
+    _check_owner(args, catalog)
+    bucket, prefix = s3.parse_s3_uri(args.to)
+    uri = f"s3://{bucket}/{prefix}"
+    summary, base = _inspect(args.dir, args.model, args.max_rank)
+    hub = AdapterHub(catalog=catalog)
+    progress = not (args.no_progress or args.json)
+    files = hub.upload(
+        args.dir, uri, progress=progress, files=sorted(summary["files"]), overwrite=args.overwrite
+    )
+    return _register(args, catalog, uri, summary, base, files)
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    from app.catalog.sources import AdapterHub
+
+    catalog = catalog_from_args(args)
+    _check_owner(args, catalog)
+    uri = args.uri
+    if not uri.startswith(("s3://", "hf://")):  # a local folder: record it absolute
+        uri = str(Path(uri[len("file://") :] if uri.startswith("file://") else uri).expanduser().resolve())
+    folder = AdapterHub(catalog=catalog).fetch(uri)
+    if uri.startswith("hf://") and "@" not in uri and folder.parent.name == "snapshots":
+        uri = f"{uri}@{folder.name}"  # pin the commit: the branch may move, the recorded sha256s would not
+    summary, base = _inspect(folder, args.model, args.max_rank)
+    return _register(args, catalog, uri, summary, base, dict(summary["files"]))
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    records = catalog_from_args(args).list(tenant=args.tenant)
+    if args.json:
+        print_json([r.to_dict() for r in records])
+        return 0
+    rows = [
+        [
+            r.name,
+            r.version,
+            r.rank,
+            ",".join(r.target_modules),
+            human_size(r.size),
+            r.tenant,
+            "yes" if r.public else "no",
+            "yes" if r.pinned else "no",
+            r.uri,
+        ]
+        for r in records
+    ]
+    table(["NAME", "VERSION", "RANK", "TARGETS", "SIZE", "TENANT", "PUBLIC", "PINNED", "URI"], rows)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    catalog = catalog_from_args(args)
+    record = catalog.require(args.ref)
+    versions = [r.version for r in catalog.versions(record.name)]
+    if args.json:
+        print_json({**record.to_dict(), "versions": versions})
+        return 0
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+    rows = [
+        ["name", record.name],
+        ["version", f"{record.version} (versions: {', '.join(map(str, versions))})"],
+        ["uri", record.uri],
+        ["sha256", record.sha256],
+        ["size", f"{human_size(record.size)} ({record.size} bytes)"],
+        ["rank", record.rank],
+        ["alpha", record.alpha],
+        ["rslora", record.use_rslora],
+        ["targets", ", ".join(record.target_modules)],
+        ["base model", json.dumps(record.base_model) if record.base_model else "not recorded"],
+        ["tenant", record.tenant or "none (admin)"],
+        ["public", record.public],
+        ["pinned", record.pinned],
+        ["created", created],
+    ]
+    rows += [[f"file {name}", sha] for name, sha in sorted(record.files.items())]
+    for key, value in rows:
+        print(f"{key + ':':<{max(len(k) for k, _ in rows) + 2}}{value}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from app.catalog.names import parse_ref
+
+    catalog = catalog_from_args(args)
+    name, version = parse_ref(args.ref)
+    n = catalog.remove(args.ref)
+    if n == 0:
+        raise UnknownAdapter(f"no adapter {args.ref!r} in the catalog: see `loraland adapters list`")
+    if args.json:
+        print_json({"name": name, "version": version, "removed": n})
+    else:
+        print(
+            f"removed {args.ref}" if version is not None else f"removed {name} ({n} version{'s' * (n != 1)})"
+        )
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    catalog_from_args(args).set_pinned(args.name, args.pinned)
+    print(f"{'pinned' if args.pinned else 'unpinned'} {args.name}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    summary, base = _inspect(args.dir, args.model, args.max_rank)
+    if args.json:
+        print_json({"valid": True, "base_model": base, **summary})
+        return 0
+    layers = summary.get("layers") or []
+    print(
+        f"ok: {args.dir} is a LoRA adapter for {base.get('architecture')} ({args.model}): rank {summary['rank']}, "
+        f"alpha {summary['alpha']:g}, targets {','.join(summary['target_modules'])}, {len(layers)} layers, "
+        f"{len(summary['files'])} files, {human_size(summary['size'])}"
+    )
+    return 0

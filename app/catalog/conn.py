@@ -1,0 +1,53 @@
+"""The Redis connection behind the catalog, and the one place connection failures become CatalogUnavailable."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from app.errors import CatalogUnavailable, InvalidRequest
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, fit for error messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def connect(url: str) -> redis.Redis:
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise InvalidRequest(f"invalid Redis URL {url!r}: use redis://HOST:PORT/DB")
+    # Few, fast retries: a dead Redis should be reported in well under a second, not after long backoff.
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_connect_timeout=3,
+        socket_timeout=10,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        health_check_interval=30,
+    )
+
+
+def guard(fn: Callable) -> Callable:
+    """Turn redis-py's connection failures into CatalogUnavailable naming the URL (`self.url`)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise CatalogUnavailable(
+                f"Redis at {self.url} is unreachable ({e}): start it, or point LORALAND_REDIS_URL / --redis "
+                "at a running one"
+            ) from None
+
+    return wrapper

@@ -1,0 +1,175 @@
+"""S3 (and S3-compatible stores) for adapters: list, download with hashing, upload (multipart when large).
+
+Endpoint, region and credentials come from boto3's own chain (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION,
+AWS_ACCESS_KEY_ID, profiles, instance roles), so MinIO, R2 or moto work without any setting of ours. Every
+boto3 failure is turned into AdapterUnavailable with a message saying what to check."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.catalog.names import safe_relpath
+from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest
+
+MULTIPART_THRESHOLD = 64 << 20  # bytes; S3 needs parts of at least 5 MiB
+MULTIPART_CHUNK = 64 << 20
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class S3Object:
+    key: str
+    rel: str  # path under the prefix: the adapter's file name
+    size: int
+    etag: str
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """'s3://bucket/some/prefix/' -> ('bucket', 'some/prefix')."""
+    if not uri.startswith("s3://"):
+        raise InvalidRequest(f"not an S3 URI: {uri!r}; use s3://bucket/prefix")
+    bucket, _, prefix = uri[5:].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or not prefix:
+        raise InvalidRequest(f"S3 URI {uri!r} needs a bucket and a prefix: s3://bucket/prefix")
+    safe_relpath(prefix, where=uri)
+    return bucket, prefix
+
+
+_loader: Any = None
+
+
+def client() -> Any:
+    """A fresh client each call, so credentials and endpoint follow the environment as it is now; the
+    parsed service model (most of a client's cost) is shared through one botocore loader."""
+    global _loader
+    import boto3
+    import botocore.loaders
+    import botocore.session
+    from botocore.config import Config
+
+    if _loader is None:
+        _loader = botocore.loaders.create_loader()
+    core = botocore.session.Session()
+    core.register_component("data_loader", _loader)
+    cfg = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60)
+    return boto3.session.Session(botocore_session=core).client("s3", config=cfg)
+
+
+def unavailable(exc: Exception, uri: str, what: str = "") -> AdapterUnavailable:
+    """A clear AdapterUnavailable for a boto3/botocore exception about `uri` (`what`: the object, if any)."""
+    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+
+    target = f"{uri} ({what})" if what else uri
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        bucket = uri[5:].split("/", 1)[0]
+        if code == "NoSuchBucket":
+            msg = (
+                f"{target}: no such bucket {bucket!r}: check the bucket name, the region and AWS_ENDPOINT_URL"
+            )
+        elif code in ("NoSuchKey", "404", "NotFound") or status == 404:
+            msg = f"{target}: no such key: the object is missing; push the adapter again"
+        elif (
+            code in ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+            or status == 403
+        ):
+            msg = f"{target}: access denied ({code}): check the AWS credentials and the bucket's policy"
+        else:
+            msg = f"{target}: S3 error {code or status}: {err.get('Message', exc)}"
+    elif isinstance(exc, NoCredentialsError):
+        msg = (
+            f"{target}: no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+        )
+    elif isinstance(exc, EndpointConnectionError):
+        msg = f"{target}: cannot reach the S3 endpoint ({exc}): check AWS_ENDPOINT_URL and the network"
+    elif isinstance(exc, BotoCoreError):
+        msg = f"{target}: S3 request failed ({exc})"
+    else:
+        msg = f"{target}: S3 request failed ({type(exc).__name__}: {exc})"
+    return AdapterUnavailable(msg)
+
+
+def list_objects(s3: Any, bucket: str, prefix: str, uri: str) -> dict[str, S3Object]:
+    """Objects under prefix/, keyed by their path under it; keys that would escape the folder are refused."""
+    out: dict[str, S3Object] = {}
+    try:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(prefix) + 1 :]
+                if not rel or rel.endswith("/"):  # "folder" marker objects
+                    continue
+                safe_relpath(rel, where=f"s3://{bucket}/{obj['Key']}", error=InvalidAdapter)
+                out[rel] = S3Object(obj["Key"], rel, int(obj["Size"]), str(obj.get("ETag", "")).strip('"'))
+    except (InvalidAdapter, InvalidRequest):
+        raise
+    except Exception as e:
+        raise unavailable(e, uri) from None
+    return out
+
+
+def download(s3: Any, bucket: str, obj: S3Object, dest: Path, *, limit: int, uri: str) -> str:
+    """Stream one object to dest, hashing as it goes; refuses to write more than `limit` bytes. -> sha256."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h, n = hashlib.sha256(), 0
+    try:
+        body = s3.get_object(Bucket=bucket, Key=obj.key)["Body"]
+        with open(dest, "wb") as f:
+            while chunk := body.read(_CHUNK):
+                n += len(chunk)
+                if n > limit:
+                    raise InvalidAdapter(
+                        f"{uri}: {obj.rel} is over the adapter size limit ({limit} bytes left of "
+                        "LORALAND_MAX_ADAPTER_BYTES): refusing to download it"
+                    )
+                h.update(chunk)
+                f.write(chunk)
+    except InvalidAdapter:
+        raise
+    except Exception as e:
+        raise unavailable(e, uri, obj.key) from None
+    return h.hexdigest()
+
+
+def stored_sha256(s3: Any, bucket: str, key: str, uri: str) -> str | None:
+    """The sha256 we recorded in an object's metadata at upload; '' if it exists without one; None if absent."""
+    from botocore.exceptions import ClientError
+
+    try:
+        head = s3.head_object(Bucket=bucket, Key=key)
+    except ClientError as e:
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+            return None
+        raise unavailable(e, uri, key) from None
+    except Exception as e:
+        raise unavailable(e, uri, key) from None
+    return head.get("Metadata", {}).get("sha256", "")
+
+
+def upload(
+    s3: Any,
+    path: Path,
+    bucket: str,
+    key: str,
+    sha256: str,
+    *,
+    uri: str,
+    progress: Callable[[int], None] | None,
+) -> None:
+    from boto3.s3.transfer import TransferConfig
+
+    cfg = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK)
+    try:
+        s3.upload_file(
+            str(path), bucket, key, Config=cfg, Callback=progress, ExtraArgs={"Metadata": {"sha256": sha256}}
+        )
+    except Exception as e:
+        # boto3 wraps the ClientError in S3UploadFailedError (as its __context__): report the real cause.
+        cause = e.__cause__ or e.__context__
+        raise unavailable(cause if isinstance(cause, Exception) else e, uri, key) from None
