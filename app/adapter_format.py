@@ -19,12 +19,13 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from app.errors import InvalidAdapter, InvalidRequest
 from app.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so `adapters validate/push` start fast
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -339,6 +340,8 @@ def read_adapter(
 def _read_tensors(folder: Path, f: Any, model: ModelConfig, ranks: dict[tuple[int, str], int]) -> dict:
     """Check the file's keys against the config's targets and each tensor against the base model, then load
     the (A, B) pairs as fp32. Shapes are checked from the header before any tensor data is read."""
+    import torch
+
     shapes = model.linear_shapes()
     keys = _parse_keys(folder, list(f.keys()))
     for layer, _module, _ in keys:
@@ -395,6 +398,8 @@ def _read_tensors(folder: Path, f: Any, model: ModelConfig, ranks: dict[tuple[in
 
 def _pad_ranks(tensors: dict) -> dict:
     """Zero-pad every layer of a module to that module's largest rank (exact: the padding adds nothing)."""
+    import torch
+
     width: dict[str, int] = {}
     for (_, m), (a, _) in tensors.items():
         width[m] = max(width.get(m, 0), a.shape[0])
@@ -453,6 +458,8 @@ def merge_adapters(
     not copy: its merged config takes use_rslora and layers_to_transform from the FIRST adapter, so when that one
     uses rslora PEFT's merge is scaled by sqrt(total rank) instead of 1, and when it has layers_to_transform
     PEFT drops the other adapters' other layers. Ours is always exactly sum_i w_i * delta_i."""
+    import torch
+
     if not terms:
         raise InvalidRequest("a merge needs at least one adapter term, e.g. 'a*0.7+b*0.3'")
     for lw, w in terms:
