@@ -1,0 +1,65 @@
+"""Plain-torch loops that define grouped multi-LoRA (Punica SGMV) semantics; the fast paths are tested
+against these. Slow on purpose: one matmul per segment, computed in float32 whatever the input dtype."""
+
+from __future__ import annotations
+
+import torch
+
+
+def segments_of(slot_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(start, end, slot) of every run of equal slot ids, in token order (slot -1 runs included)."""
+    ids = slot_ids.tolist()
+    out, start = [], 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or ids[t] != ids[start]:
+            out.append((start, t, ids[start]))
+            start = t
+    return out
+
+
+def shrink_ref(x: torch.Tensor, A: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """Semantics: z[t] = x[t] @ A[slot_ids[t]], and z[t] = 0 where slot_ids[t] = -1.
+
+    x [T, in], A [S, in, r], slot_ids int [T] (tokens of a slot contiguous) -> z [T, r] in float32.
+    """
+    z = torch.zeros(x.shape[0], A.shape[2], dtype=torch.float32, device=x.device)
+    for s, e, slot in segments_of(slot_ids):
+        if slot >= 0:
+            z[s:e] = x[s:e].float() @ A[slot].float()
+    return z
+
+
+def expand_ref(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    B: torch.Tensor,
+    slot_ids: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Semantics: returns y[t] + scale[slot_ids[t]] * (z[t] @ B[slot_ids[t]]), y[t] unchanged where the
+    slot is -1; scale None means 1.
+
+    y [T, out], z [T, r], B [S, r, out], slot_ids int [T], scale [S] or None -> [T, out] in float32
+    (y itself is not modified).
+    """
+    out = y.float().clone()
+    for s, e, slot in segments_of(slot_ids):
+        if slot >= 0:
+            w = 1.0 if scale is None else float(scale[slot])
+            out[s:e] += w * (z[s:e].float() @ B[slot].float())
+    return out
+
+
+def lora_delta_ref(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    slot_ids: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Semantics: delta[t] = scale[s] * (x[t] @ A[s]) @ B[s] with s = slot_ids[t]; 0 where s = -1.
+
+    x [T, in], A [S, in, r], B [S, r, out] -> delta [T, out] in float32.
+    """
+    z = shrink_ref(x, A, slot_ids)
+    return expand_ref(torch.zeros(x.shape[0], B.shape[2], device=x.device), z, B, slot_ids, scale)
