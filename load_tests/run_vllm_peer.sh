@@ -8,7 +8,7 @@
 #   base  vLLM without --enable-lora, base-model requests only (vLLM's fastest configuration)
 #   lora  vLLM with $N rank-16 q/v adapters (qv0..qv{N-1}); base-model requests (--baseline) then $N adapters uniform
 # Workload: --concurrency 64, 64 requests x 128 prompt x 64 output tokens (ignore_eos), streamed.
-# Env: N (200), PORT (8011), MAX_LORAS (64 adapters resident at once), PHASES ("base lora"), OUT (results dir),
+# Env: N (200), PORT (8011), DTYPE (bfloat16; float32 may be faster on AVX2-only CPUs), MAX_LORAS (64 adapters resident at once), PHASES ("base lora"), OUT (results dir),
 #      VLLM_VENV (/work/vllm-venv), VENV (/work/venv: builds the model/adapters and runs the client), EXTRA_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ start_server() {  # $1 = log name, rest = extra vLLM args
   VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1} HF_HUB_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name base \
-    --host 127.0.0.1 --port "$PORT" --dtype bfloat16 --max-model-len 1024 ${EXTRA_ARGS:-} "$@" >"$log" 2>&1 &
+    --host 127.0.0.1 --port "$PORT" --dtype "${DTYPE:-bfloat16}" --max-model-len 1024 ${EXTRA_ARGS:-} "$@" >"$log" 2>&1 &
   SERVER_PID=$!
   local t0=$SECONDS
   until curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null; do
