@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMAND_MODULES: list[str] = [
     "app.catalog.cli_commands:register",
     "app.serve_cli:register_serve",
+    "app.demo:register_demo",
 ]
 
 
