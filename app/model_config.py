@@ -51,7 +51,12 @@ class ModelConfig:
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable linear in one decoder layer."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        h, q, kv, i = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
         return {
             "q_proj": (h, q),
             "k_proj": (h, kv),
@@ -64,7 +69,11 @@ class ModelConfig:
 
     def identity(self) -> dict[str, Any]:
         """What an adapter must agree with: recorded in the catalog, checked before loading."""
-        return {"architecture": self.architecture, "hidden_size": self.hidden_size, "num_layers": self.num_layers}
+        return {
+            "architecture": self.architecture,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+        }
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -87,7 +96,9 @@ class ModelConfig:
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("llama3", "linear", "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}: supported are 'llama3' and 'linear'")
+                raise ValueError(
+                    f"unsupported rope_scaling type {kind!r}: supported are 'llama3' and 'linear'"
+                )
             if kind == "default":
                 scaling = None
         theta = cfg.get("rope_theta")
@@ -109,7 +120,9 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
             eos_token_ids=eos_ids,
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None,
+            sliding_window=cfg.get("sliding_window")
+            if cfg.get("use_sliding_window", family == "mistral")
+            else None,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             raw=cfg,
         )

@@ -16,5 +16,8 @@ kernel.set_adaptive_chain(["translate", "polish"])  # translate, then polish
 
 prompts = ["the quick brown fox", "hello world", "ray serve adapters"]
 print("chain:", kernel.infer(prompts, adapter_ids=[None, None, None], max_tokens=8))
-print("mixed:", kernel.infer(prompts, adapter_ids=["translate", "polish", "translate*0.5+polish*0.5"], max_tokens=8))
+print(
+    "mixed:",
+    kernel.infer(prompts, adapter_ids=["translate", "polish", "translate*0.5+polish*0.5"], max_tokens=8),
+)
 kernel.close()

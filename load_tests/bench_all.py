@@ -36,9 +36,27 @@ def serving(out: Path, n_adapters: int, port: int = 8765) -> dict:
     store = CACHE / "bench-adapters" / "qv-r16"
     build_bench_adapters(model_dir, store, n_adapters, r=16, targets=("q_proj", "v_proj"), prefix="qv")
     env = {**os.environ, "LORALAND_CACHE_DIR": str(out / "cache")}
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--model", str(model_dir), "--served-model-name", "base",
-           "--replicas", "1", "--port", str(port), "--no-auth", "--adapter-store", str(store),
-           "--max-adapters", "64", "--max-batch-size", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "base",
+        "--replicas",
+        "1",
+        "--port",
+        str(port),
+        "--no-auth",
+        "--adapter-store",
+        str(store),
+        "--max-adapters",
+        "64",
+        "--max-batch-size",
+        "64",
+    ]
     srv = subprocess.Popen(cmd, env=env, stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -58,11 +76,35 @@ def serving(out: Path, n_adapters: int, port: int = 8765) -> dict:
                 if r.status_code not in (200, 201):
                     raise RuntimeError(f"registering qv{i}: {r.status_code} {r.text}")
         result = out / "serving.json"
-        _run("load_tests.bench_serving", "--base-url", f"{base_url}/v1", "--model", "base",
-             "--adapter-prefix", "qv", "--num-adapters", str(n_adapters), "--popularity", "uniform",
-             "--baseline", "--concurrency", "64", "--num-requests", "64", "--prompt-len", "128",
-             "--output-len", "64", "--warmup-runs", "1", "--out", str(result), "--plot-dir", str(out / "plots"),
-             "--no-progress")
+        _run(
+            "load_tests.bench_serving",
+            "--base-url",
+            f"{base_url}/v1",
+            "--model",
+            "base",
+            "--adapter-prefix",
+            "qv",
+            "--num-adapters",
+            str(n_adapters),
+            "--popularity",
+            "uniform",
+            "--baseline",
+            "--concurrency",
+            "64",
+            "--num-requests",
+            "64",
+            "--prompt-len",
+            "128",
+            "--output-len",
+            "64",
+            "--warmup-runs",
+            "1",
+            "--out",
+            str(result),
+            "--plot-dir",
+            str(out / "plots"),
+            "--no-progress",
+        )
         return json.loads(result.read_text())
     finally:
         srv.send_signal(2)

@@ -39,8 +39,15 @@ def run_hf(model_dir, prompts, new_tokens, dtype) -> float:
     with torch.no_grad():
         model.generate(ids[:1, :16], max_new_tokens=2, do_sample=False)
         t = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         dt = time.perf_counter() - t
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
 
@@ -55,7 +62,9 @@ def main() -> None:
     a = ap.parse_args()
     model_dir = build_bench_model(CACHE)
     prompts = workload_w(a.requests, a.prompt_len)
-    print(f"workload: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}")
+    print(
+        f"workload: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}"
+    )
     print(f"{'dtype':10} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8}")
     for dtype in a.dtypes.split(","):
         ours = run_ours(model_dir, prompts, a.new, dtype)

@@ -52,8 +52,13 @@ def ours(model_dir, prompts, adapters: dict[str, Path], n_distinct: int | None, 
     rng = random.Random(seed)
     pick = names[:n_distinct] if n_distinct else names
     ids = [rng.choice(pick) for _ in prompts] if names else [None] * len(prompts)
-    with LLMKernel(model_dir, max_batch_size=len(prompts), max_num_batched_tokens=4096,
-                   max_adapters=max(len(prompts), 8), max_cpu_adapters=max(len(names), 1)) as k:
+    with LLMKernel(
+        model_dir,
+        max_batch_size=len(prompts),
+        max_num_batched_tokens=4096,
+        max_adapters=max(len(prompts), 8),
+        max_cpu_adapters=max(len(names), 1),
+    ) as k:
         for name, path in adapters.items():
             k.load_adapter(name, path)
         return throughput(k, prompts, ids, new)
@@ -74,9 +79,16 @@ def peft_mixed(model_dir, prompts, adapters: dict[str, Path], new: int, seed=0) 
     x = torch.tensor(prompts)
     with torch.no_grad():
         t = time.perf_counter()
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             adapter_names=ids)
+        out = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            adapter_names=ids,
+        )
         dt = time.perf_counter() - t
     return (out.shape[1] - x.shape[1]) * x.shape[0] / dt
 
@@ -87,7 +99,9 @@ def resident_ratio(model_dir, root: Path) -> tuple[float, float]:
 
     sets = {}
     for r in (4, 8, 12, 16, 32):
-        sets.update(build_bench_adapters(model_dir, root / f"mixed-r{r}", 8, r=r, seed=100 + r, prefix=f"m{r}-"))
+        sets.update(
+            build_bench_adapters(model_dir, root / f"mixed-r{r}", 8, r=r, seed=100 + r, prefix=f"m{r}-")
+        )
     with LLMKernel(model_dir, max_adapters=len(sets), num_kv_blocks=64) as k:
         for name, path in sets.items():
             k.load_adapter(name, path)
@@ -111,9 +125,15 @@ def main() -> None:
     model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
     root = CACHE / "bench-adapters"
     prompts = workload_w(a.requests, a.prompt_len)
-    qv = build_bench_adapters(model_dir, root / "qv-r16", a.adapters, r=16, targets=("q_proj", "v_proj"), prefix="qv")
-    all7 = build_bench_adapters(model_dir, root / "all7-r16", a.adapters, r=16, targets=ALL_SEVEN, prefix="all7")
-    print(f"workload W: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}")
+    qv = build_bench_adapters(
+        model_dir, root / "qv-r16", a.adapters, r=16, targets=("q_proj", "v_proj"), prefix="qv"
+    )
+    all7 = build_bench_adapters(
+        model_dir, root / "all7-r16", a.adapters, r=16, targets=ALL_SEVEN, prefix="all7"
+    )
+    print(
+        f"workload W: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}"
+    )
     rows = []
     base = ours(model_dir, prompts, {}, None, a.new)
     rows.append(("base model", base, ""))
@@ -125,8 +145,9 @@ def main() -> None:
         t_peft = peft_mixed(model_dir, prompts, qv, a.new)
         rows.append(("HF+PEFT mixed batch, q,v", t_peft, f"P2 = ours/PEFT = {t_qv / t_peft:.2f}x (>= 4x)"))
     if not a.skip_p4:
-        many = build_bench_adapters(model_dir, root / "qv-r16-1000", 1000, r=16, targets=("q_proj", "v_proj"),
-                                    seed=7, prefix="many")
+        many = build_bench_adapters(
+            model_dir, root / "qv-r16-1000", 1000, r=16, targets=("q_proj", "v_proj"), seed=7, prefix="many"
+        )
         t5 = ours(model_dir, prompts, many, 5, a.new)
         t1000 = ours(model_dir, prompts, many, None, a.new)
         rows.append(("5 distinct adapters", t5, ""))
@@ -135,7 +156,9 @@ def main() -> None:
     print(f"{'configuration':34} {'out tok/s':>10}  ratio")
     for name, tps, note in rows:
         print(f"{name:34} {tps:10.1f}  {note}")
-    print(f"P6 resident bytes / tensor bytes, ranks 4-32 mixed: pools {touched:.3f}, RSS growth {grown:.3f} (<= 1.1)")
+    print(
+        f"P6 resident bytes / tensor bytes, ranks 4-32 mixed: pools {touched:.3f}, RSS growth {grown:.3f} (<= 1.1)"
+    )
 
 
 if __name__ == "__main__":

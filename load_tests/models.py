@@ -8,8 +8,15 @@ from pathlib import Path
 
 import torch
 
-TINYLLAMA_2L = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=32,
-                    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+TINYLLAMA_2L = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=2,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+)
 
 
 def build_bench_model(out_dir: Path, seed: int = 0) -> Path:
@@ -26,7 +33,9 @@ def build_bench_model(out_dir: Path, seed: int = 0) -> Path:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(out_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(out_dir)
     cfg = transformers.LlamaConfig(bos_token_id=0, eos_token_id=1, **TINYLLAMA_2L)
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(seed)

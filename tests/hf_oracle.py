@@ -8,9 +8,16 @@ import torch
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kw) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **kw,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def load_hf(model_dir):

@@ -16,8 +16,10 @@ MAX_NEW = 12
 def make_prompts(tok, n=16, seed=0):
     rng = random.Random(seed)
     words = "the quick brown fox jumps over lazy dog hello world ray serve paged attention adapters".split()
-    return [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))), add_special_tokens=False)
-            for _ in range(n)]
+    return [
+        tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))), add_special_tokens=False)
+        for _ in range(n)
+    ]
 
 
 async def staggered(kernel, prompts, max_tokens, seed=0):
@@ -64,24 +66,28 @@ def test_prefix_caching_shares_blocks(llama_dir):
     hf = load_hf(llama_dir)
     peaks = {}
     for caching in (True, False):
-        with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=128, block_size=8,
-                       enable_prefix_caching=caching) as k:
+        with LLMKernel(
+            llama_dir, dtype="float32", num_kv_blocks=128, block_size=8, enable_prefix_caching=caching
+        ) as k:
             tok = k.tokenizer
-            prefix = tok.encode("Paged attention keeps the KV cache in fixed size blocks. " * 3,
-                                add_special_tokens=False)
+            prefix = tok.encode(
+                "Paged attention keeps the KV cache in fixed size blocks. " * 3, add_special_tokens=False
+            )
             prompts = [prefix + tok.encode(f" case {i} fox", add_special_tokens=False) for i in range(6)]
 
             async def run():
-                first = k.generate(prompts[0], max_tokens=MAX_NEW, ignore_eos=True)
+                first = k.generate(prompts[0], max_tokens=MAX_NEW, ignore_eos=True)  # noqa: B023 (awaited here)
                 ids0 = []
                 async for d in first:  # the first prompt's prefix is cached once its prefill is done
                     ids0 += d.token_ids
                     if len(ids0) == 1:
-                        rest = asyncio.gather(*(collect(p) for p in prompts[1:]))
+                        rest = asyncio.gather(*(collect(p) for p in prompts[1:]))  # noqa: B023
                 return [ids0] + await rest
 
             async def collect(p):
-                return [t async for d in k.generate(p, max_tokens=MAX_NEW, ignore_eos=True) for t in d.token_ids]
+                return [
+                    t async for d in k.generate(p, max_tokens=MAX_NEW, ignore_eos=True) for t in d.token_ids
+                ]
 
             outs = asyncio.run(run())
             assert outs == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
@@ -113,7 +119,7 @@ def test_stops_and_finish_reasons(llama_dir):
         assert c.finish_reason == "stop" and c.token_ids == full.token_ids[: first + 1]
         # a stop string truncates the text before it
         text = full.text
-        needle = text[len(text) // 2: len(text) // 2 + 2]
+        needle = text[len(text) // 2 : len(text) // 2 + 2]
         if needle.strip():
             c = k.complete(["hello world"], max_tokens=12, stop=[needle], ignore_eos=True)[0]
             assert c.finish_reason == "stop" and c.text == text[: text.find(needle)]
@@ -130,13 +136,16 @@ def test_streamed_text_equals_final_text(llama_dir):
         final = k.complete(["the quick brown fox"], max_tokens=16, ignore_eos=True)[0]
 
         async def run():
-            return "".join([d.text async for d in k.generate("the quick brown fox", max_tokens=16, ignore_eos=True)])
+            return "".join(
+                [d.text async for d in k.generate("the quick brown fox", max_tokens=16, ignore_eos=True)]
+            )
 
         assert asyncio.run(run()) == final.text
 
 
 def test_abandoned_stream_aborts_and_frees_blocks(llama_dir):
     with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=64) as k:
+
         async def run():
             agen = k.generate("hello world", max_tokens=200, ignore_eos=True)
             async for _ in agen:
@@ -174,7 +183,6 @@ def test_bad_input_is_refused_with_the_limit(llama_dir, tmp_path):
 def test_sharded_checkpoint_and_hub_cache_id(llama_dir, tmp_path, monkeypatch):
     """A sharded safetensors index loads; a Hub id resolves through huggingface_hub's offline cache."""
     import shutil
-
 
     hf = load_hf(llama_dir)
     sharded = tmp_path / "sharded"

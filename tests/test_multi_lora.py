@@ -18,8 +18,10 @@ MAX_NEW = 8
 def mixed_batch(tok, names, n=32, seed=0):
     rng = random.Random(seed)
     words = "the quick brown fox jumps over lazy dog hello world ray serve adapters blocks".split()
-    prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(2, 20))), add_special_tokens=False)
-               for _ in range(n)]
+    prompts = [
+        tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(2, 20))), add_special_tokens=False)
+        for _ in range(n)
+    ]
     ids = [None if i % 5 == 0 else names[i % len(names)] for i in range(n)]
     return prompts, ids
 
@@ -54,8 +56,9 @@ def test_mixed_batch_matches_peft(lora_case):
 
 def test_mixed_batch_with_lru_churn_and_preemption(lora_case):
     model_dir, adapters, _, prompts, ids, refs = lora_case
-    with LLMKernel(model_dir, dtype="float32", num_kv_blocks=14, block_size=8, max_adapters=3,
-                   max_cpu_adapters=4) as k:
+    with LLMKernel(
+        model_dir, dtype="float32", num_kv_blocks=14, block_size=8, max_adapters=3, max_cpu_adapters=4
+    ) as k:
         load_all(k, adapters)
         outs = k.complete(prompts, ids, max_tokens=MAX_NEW, ignore_eos=True)
         m = k.adapter_manager
@@ -102,8 +105,11 @@ def test_hot_load_unload_under_traffic(llama_dir, tmp_path):
 
         async def run():
             async def one(name, n):
-                return [t async for d in k.generate(prompt, name, max_tokens=n, ignore_eos=True)
-                        for t in d.token_ids]
+                return [
+                    t
+                    async for d in k.generate(prompt, name, max_tokens=n, ignore_eos=True)
+                    for t in d.token_ids
+                ]
 
             victim = asyncio.create_task(one(names[0], long_new))
             others = [asyncio.create_task(one(n, long_new)) for n in names[1:3]]

@@ -14,9 +14,9 @@ from app.errors import (
     QueueFull,
     UnknownAdapter,
 )
+from app.model_spec import ModelSpec, Term, parse_model, resolved
 from app.router import openai_schema as oa
 from app.router.http_errors import HTTPFailure, error_payload, error_reply, replica_failed
-from app.model_spec import ModelSpec, Term, parse_model, resolved
 
 BASE = frozenset({"tiny", "/models/tiny"})
 

@@ -7,8 +7,13 @@ from app.replica.sequence import Sequence, Status
 
 
 def seq(i, n_prompt, max_tokens=4, adapter_key=""):
-    return Sequence(i, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), arrival=float(i),
-                    adapter_key=adapter_key)
+    return Sequence(
+        i,
+        list(range(1, n_prompt + 1)),
+        SamplingParams(max_tokens=max_tokens),
+        arrival=float(i),
+        adapter_key=adapter_key,
+    )
 
 
 def run_step(s: Scheduler, token=7):

@@ -28,8 +28,12 @@ from kernels import lora as K
 
 log = logging.getLogger("loraland.adapters")
 
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-          "down": ("down_proj",)}
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 MODULE_GROUP = {m: g for g, ms in GROUPS.items() for m in ms}
 
 
@@ -60,7 +64,9 @@ class _GroupWeights:
         self.parts = []
         r0 = 0
         for module, r, out, col in parts:
-            self.parts.append((module, r0, r0 + r, col, col + out, torch.empty(cap, r, out, dtype=dtype, device=device)))
+            self.parts.append(
+                (module, r0, r0 + r, col, col + out, torch.empty(cap, r, out, dtype=dtype, device=device))
+            )
             r0 += r
 
     def grow(self, cap: int) -> None:
@@ -86,16 +92,27 @@ class Pool:
         self.index, self.signature = index, signature
         ranks = {(layer, m): r for layer, m, r in signature}
         shapes = cfg.linear_shapes()
-        offsets = {"q_proj": 0, "k_proj": shapes["q_proj"][1], "v_proj": shapes["q_proj"][1] + shapes["k_proj"][1],
-                   "gate_proj": 0, "up_proj": shapes["gate_proj"][1], "o_proj": 0, "down_proj": 0}
+        offsets = {
+            "q_proj": 0,
+            "k_proj": shapes["q_proj"][1],
+            "v_proj": shapes["q_proj"][1] + shapes["k_proj"][1],
+            "gate_proj": 0,
+            "up_proj": shapes["gate_proj"][1],
+            "o_proj": 0,
+            "down_proj": 0,
+        }
         self.cap = max_slots if device.type == "cpu" else min(8, max_slots)
         self.max_slots = max_slots
         self.groups: dict[tuple[int, str], _GroupWeights] = {}
         for layer in sorted({lay for lay, _ in ranks}):
             for g, modules in GROUPS.items():
-                parts = [(m, ranks[(layer, m)], shapes[m][1], offsets[m]) for m in modules if (layer, m) in ranks]
+                parts = [
+                    (m, ranks[(layer, m)], shapes[m][1], offsets[m]) for m in modules if (layer, m) in ranks
+                ]
                 if parts:
-                    self.groups[(layer, g)] = _GroupWeights(self.cap, shapes[modules[0]][0], parts, dtype, device)
+                    self.groups[(layer, g)] = _GroupWeights(
+                        self.cap, shapes[modules[0]][0], parts, dtype, device
+                    )
         self.free = list(range(self.cap - 1, -1, -1))  # lowest index first keeps the high-water mark tight
         self.used: set[int] = set()
 
@@ -114,7 +131,7 @@ class Pool:
             self.cap = new_cap
         self.free.sort(reverse=True)
         slot = self.free.pop()
-        for (layer, g), gw in self.groups.items():
+        for (layer, _), gw in self.groups.items():
             for module, r0, r1, _, _, B in gw.parts:
                 a, b = lw.tensors[(layer, module)]
                 gw.A[slot, :, r0:r1].copy_(a.t())
@@ -149,8 +166,16 @@ class LoraBatch:
 
 
 class AdapterManager:
-    def __init__(self, model_cfg: ModelConfig, *, max_adapters: int, max_cpu_adapters: int | None, dtype,
-                 device, on_ready: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        *,
+        max_adapters: int,
+        max_cpu_adapters: int | None,
+        dtype,
+        device,
+        on_ready: Callable[[], None] = lambda: None,
+    ):
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
         self.cfg, self.dtype, self.device = model_cfg, dtype, device
@@ -168,8 +193,9 @@ class AdapterManager:
         self.evictions = 0
 
     # ------------------------------------------------------------------ registry (caller threads)
-    def register(self, name: str, version: int, loader: Callable[[], LoraWeights],
-                 weights: LoraWeights | None = None) -> AdapterEntry:
+    def register(
+        self, name: str, version: int, loader: Callable[[], LoraWeights], weights: LoraWeights | None = None
+    ) -> AdapterEntry:
         key = f"{name}@{version}"
         with self._lock:
             old = self.current.get(name)
@@ -267,8 +293,11 @@ class AdapterManager:
                 continue
             pool = self.entries[seq.adapter].slot[0]
             start, slots = t, []
-            while i < len(seqs_tokens) and seqs_tokens[i][0].adapter is not None and \
-                    self.entries[seqs_tokens[i][0].adapter].slot[0] is pool:
+            while (
+                i < len(seqs_tokens)
+                and seqs_tokens[i][0].adapter is not None
+                and self.entries[seqs_tokens[i][0].adapter].slot[0] is pool
+            ):
                 s, n = seqs_tokens[i]
                 slots += [self.entries[s.adapter].slot[1]] * n
                 t += n
@@ -322,7 +351,9 @@ class AdapterManager:
         sig = signature(e.weights)
         pool = self.pools.get(sig)
         if pool is None:
-            pool = self.pools[sig] = Pool(len(self.pools), sig, self.cfg, self.max_adapters, self.dtype, self.device)
+            pool = self.pools[sig] = Pool(
+                len(self.pools), sig, self.cfg, self.max_adapters, self.dtype, self.device
+            )
         e.slot = (pool, pool.install(e.weights))
         return True
 
@@ -330,8 +361,14 @@ class AdapterManager:
         self.host_lru[key] = None
         self.host_lru.move_to_end(key)
         while len(self.host_lru) > self.max_cpu_adapters:
-            victim = next((k for k in self.host_lru
-                           if not self.entries[k].pinned and self.entries[k].refs <= 0 and k != key), None)
+            victim = next(
+                (
+                    k
+                    for k in self.host_lru
+                    if not self.entries[k].pinned and self.entries[k].refs <= 0 and k != key
+                ),
+                None,
+            )
             if victim is None:
                 break
             del self.host_lru[victim]

@@ -169,8 +169,13 @@ class ReplicaCore:
         try:
             # The kernel fetches through the hub with the catalog's checksums, now and whenever it re-reads
             # the adapter after evicting it from host memory (the disk cache may have dropped it by then).
-            await asyncio.to_thread(self.kernel.load_adapter, record["name"], record["uri"],
-                                    version=record["version"], files=record.get("files") or None)
+            await asyncio.to_thread(
+                self.kernel.load_adapter,
+                record["name"],
+                record["uri"],
+                version=record["version"],
+                files=record.get("files") or None,
+            )
         except LoraLandError:
             raise
         except Exception as e:

@@ -33,8 +33,14 @@ class EngineConfig:
     max_waiting: int = 4096
 
     def __post_init__(self) -> None:
-        for key in ("max_model_len", "num_kv_blocks", "block_size", "max_batch_size", "max_num_batched_tokens",
-                    "max_waiting"):
+        for key in (
+            "max_model_len",
+            "num_kv_blocks",
+            "block_size",
+            "max_batch_size",
+            "max_num_batched_tokens",
+            "max_waiting",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
 
@@ -71,13 +77,24 @@ class Engine:
         self.model, self.tok, self.cfg, self.adapters = model, tokenizer, config, adapters
         c = model.cfg
         self.allocator = BlockAllocator(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv = KVCache(c.num_layers, config.num_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim,
-                          model.dtype, model.device)
+        self.kv = KVCache(
+            c.num_layers,
+            config.num_kv_blocks,
+            config.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            model.dtype,
+            model.device,
+        )
         hooks = {} if adapters is None else {"admit": adapters.admit, "release": adapters.release}
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens, config.block_size),
-            self.allocator, **hooks)
-        self.eos_ids = set(c.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+            self.allocator,
+            **hooks,
+        )
+        self.eos_ids = set(c.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        )
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -88,14 +105,23 @@ class Engine:
         self.steps = 0
 
     # ------------------------------------------------------------------ submission (any thread)
-    def add(self, prompt_ids: list[int], params: SamplingParams, on_delta: Callable[[Delta], None], *,
-            adapter: str | None = None, adapter_key: str = "") -> Sequence:
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_delta: Callable[[Delta], None],
+        *,
+        adapter: str | None = None,
+        adapter_key: str = "",
+    ) -> Sequence:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty: give at least one token")
         n = len(prompt_ids)
         if n >= self.cfg.max_model_len:
-            raise InvalidRequest(f"the prompt has {n} tokens but max_model_len is {self.cfg.max_model_len} "
-                                 "(prompt + at least one new token must fit): shorten the prompt")
+            raise InvalidRequest(
+                f"the prompt has {n} tokens but max_model_len is {self.cfg.max_model_len} "
+                "(prompt + at least one new token must fit): shorten the prompt"
+            )
         vocab = self.model.cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
@@ -104,13 +130,22 @@ class Engine:
         if blocks > self.cfg.num_kv_blocks:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks but the cache "
-                f"has {self.cfg.num_kv_blocks} of {self.cfg.block_size} tokens: lower max_tokens or the prompt")
-        seq = Sequence(next(self._ids), list(prompt_ids), params, adapter=adapter, adapter_key=adapter_key,
-                       arrival=time.monotonic())
+                f"has {self.cfg.num_kv_blocks} of {self.cfg.block_size} tokens: lower max_tokens or the prompt"
+            )
+        seq = Sequence(
+            next(self._ids),
+            list(prompt_ids),
+            params,
+            adapter=adapter,
+            adapter_key=adapter_key,
+            arrival=time.monotonic(),
+        )
         seq.ctx = (on_delta, _Detok(self.tok, params.stop))
         with self._lock:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.cfg.max_waiting:
-                raise QueueFull(f"the replica's queue is full ({self.cfg.max_waiting} waiting): retry shortly")
+                raise QueueFull(
+                    f"the replica's queue is full ({self.cfg.max_waiting} waiting): retry shortly"
+                )
             if adapter is not None:
                 self.adapters.submitted(adapter)
             self._inbox.append(seq)
@@ -146,7 +181,9 @@ class Engine:
                     break
             try:
                 if not self.step():
-                    with self._lock:  # only cold adapters are waiting: sleep until a load lands or input arrives
+                    with (
+                        self._lock
+                    ):  # only cold adapters are waiting: sleep until a load lands or input arrives
                         self._wake.wait(timeout=0.005)
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("engine step failed")
@@ -176,8 +213,12 @@ class Engine:
         if self.adapters is not None:
             failed = self.adapters.poll()
             for seq in [s for s in self.scheduler.waiting if s.adapter in failed]:
-                self._finish(seq, "abort", f"adapter {seq.adapter} could not be loaded: {failed[seq.adapter]}",
-                             "adapter")
+                self._finish(
+                    seq,
+                    "abort",
+                    f"adapter {seq.adapter} could not be loaded: {failed[seq.adapter]}",
+                    "adapter",
+                )
         batch = self.scheduler.schedule()
         if not batch.items:
             return False
@@ -186,7 +227,9 @@ class Engine:
             batch.items.sort(key=lambda it: self.adapters.sort_key(it.seq))
         fb, sampled_items = self._build(batch)
         logits = self.model.forward(fb, self.kv)
-        tokens = sample(logits, [it.seq.params for it in sampled_items], [it.seq.sampler for it in sampled_items])
+        tokens = sample(
+            logits, [it.seq.params for it in sampled_items], [it.seq.sampler for it in sampled_items]
+        )
         self.scheduler.commit(batch)
         for it, tok in zip(sampled_items, tokens):
             self._append(it.seq, tok)
@@ -201,7 +244,7 @@ class Engine:
             seq, start, n = it.seq, it.start, it.num_tokens
             t0 = len(ids)
             all_ids = seq.all_ids
-            ids.extend(all_ids[start:start + n])
+            ids.extend(all_ids[start : start + n])
             rng = range(start, start + n)
             pos.extend(rng)
             slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in rng)
@@ -211,7 +254,9 @@ class Engine:
                 dec_lens.append(start + 1)
             else:
                 nblk = -(-(start + n) // bs)
-                prefills.append(PrefillAttn(torch.arange(t0, t0 + n), start + n, torch.tensor(seq.block_ids[:nblk])))
+                prefills.append(
+                    PrefillAttn(torch.arange(t0, t0 + n), start + n, torch.tensor(seq.block_ids[:nblk]))
+                )
             if it.samples:
                 logits_idx.append(t0 + n - 1)
                 sampled.append(it)
@@ -221,14 +266,18 @@ class Engine:
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(pos, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
-            decode_idx=None, decode_block_tables=None, decode_ctx_lens=None,
+            decode_idx=None,
+            decode_block_tables=None,
+            decode_ctx_lens=None,
             prefills=prefills,
             logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
         if dec_idx:
             width = max(len(t) for t in dec_tables)
             fb.decode_idx = torch.tensor(dec_idx, device=dev)
-            fb.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], device=dev)
+            fb.decode_block_tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in dec_tables], device=dev
+            )
             fb.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
         if self.adapters is not None:
             fb.lora = self.adapters.lora_batch(seqs_tokens)
@@ -256,14 +305,14 @@ class Engine:
             cut = len(text) - dt.hold
             while cut > dt.sent and text[cut - 1] == "\ufffd":  # an unfinished multi-byte character
                 cut -= 1
-            new_text = text[dt.sent:cut] if cut > dt.sent else ""
+            new_text = text[dt.sent : cut] if cut > dt.sent else ""
         else:
-            new_text = text[dt.sent:]
+            new_text = text[dt.sent :]
             self.scheduler.finish(seq, reason)
             if self.adapters is not None:
                 self.adapters.finished(seq)
         dt.sent += len(new_text)
-        new_ids = seq.output_ids[dt.sent_tokens:]
+        new_ids = seq.output_ids[dt.sent_tokens :]
         dt.sent_tokens = len(seq.output_ids)
         on_delta(Delta(new_text, new_ids, reason, len(seq.prompt_ids), len(seq.output_ids)))
 
@@ -281,8 +330,14 @@ class Engine:
             self._finish(seq, "abort", message, "internal")
 
     # ------------------------------------------------------------------ asyncio front
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, *, adapter: str | None = None,
-                     adapter_key: str = "") -> AsyncIterator[Delta]:
+    async def stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        adapter: str | None = None,
+        adapter_key: str = "",
+    ) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
 

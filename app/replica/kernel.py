@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +15,8 @@ import torch
 from app.adapter_format import LoraWeights, merge_adapters, read_adapter
 from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest, UnknownAdapter
 from app.model_config import ModelConfig
-from app.replica.adapters import AdapterManager
 from app.model_spec import ModelSpec, Term, parse_model
+from app.replica.adapters import AdapterManager
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.kv_cache import KVCache
 from app.replica.model import Model, resolve_dtype
@@ -44,10 +45,13 @@ def resolve_model_path(model_id: str | Path) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(model_id), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        return Path(
+            snapshot_download(str(model_id), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        )
     except Exception as e:
-        raise ValueError(f"cannot resolve model {model_id!r} as a folder or through the Hugging Face Hub "
-                         f"cache: {e}") from e
+        raise ValueError(
+            f"cannot resolve model {model_id!r} as a folder or through the Hugging Face Hub cache: {e}"
+        ) from e
 
 
 def _available_memory(device: torch.device) -> int:
@@ -64,12 +68,25 @@ def _available_memory(device: torch.device) -> int:
 
 
 class LLMKernel:
-    def __init__(self, model_id: str | Path, *, max_adapters: int = 64, max_cpu_adapters: int | None = None,
-                 max_batch_size: int = 32, gpu_memory_utilization: float = 0.9, max_lora_rank: int = 64,
-                 dtype: str | torch.dtype = "auto", device: str = "auto", max_model_len: int | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 max_waiting: int | None = None, hub=None):
+    def __init__(
+        self,
+        model_id: str | Path,
+        *,
+        max_adapters: int = 64,
+        max_cpu_adapters: int | None = None,
+        max_batch_size: int = 32,
+        gpu_memory_utilization: float = 0.9,
+        max_lora_rank: int = 64,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_waiting: int | None = None,
+        hub=None,
+    ):
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.model_id = str(model_id)
@@ -83,33 +100,52 @@ class LLMKernel:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception as e:
-            raise ValueError(f"{folder} has no usable tokenizer ({e}): add tokenizer files to the model folder") from e
+            raise ValueError(
+                f"{folder} has no usable tokenizer ({e}): add tokenizer files to the model folder"
+            ) from e
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if max_model_len and max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
-        per_block = KVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+        per_block = KVCache.bytes_per_block(
+            cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        )
         if num_kv_blocks is None:
             budget = int(gpu_memory_utilization * _available_memory(dev)) - self.model.nbytes()
             # More blocks than every running sequence at full length (x2 for the prefix cache) is waste on CPU.
             cap = 2 * max_batch_size * -(-self.max_model_len // block_size)
             num_kv_blocks = min(cap, budget // per_block)
             if num_kv_blocks < 1:
-                raise ValueError("no memory left for the KV cache: raise gpu_memory_utilization or pass num_kv_blocks")
+                raise ValueError(
+                    "no memory left for the KV cache: raise gpu_memory_utilization or pass num_kv_blocks"
+                )
         self.max_lora_rank = max_lora_rank
         self._init_adapters(max_adapters, max_cpu_adapters, hub)
         self.engine = Engine(
-            self.model, self.tokenizer,
+            self.model,
+            self.tokenizer,
             EngineConfig(
-                max_model_len=self.max_model_len, num_kv_blocks=num_kv_blocks, block_size=block_size,
+                max_model_len=self.max_model_len,
+                num_kv_blocks=num_kv_blocks,
+                block_size=block_size,
                 max_batch_size=max_batch_size,
                 max_num_batched_tokens=max_num_batched_tokens or 2048,
-                enable_prefix_caching=enable_prefix_caching, max_waiting=max_waiting or 4096),
+                enable_prefix_caching=enable_prefix_caching,
+                max_waiting=max_waiting or 4096,
+            ),
             adapters=self.adapter_manager,
         )
         self.engine.start()
-        log.info("LLMKernel %s ready: %s on %s, %d KV blocks of %d tokens", self.model_id, self.dtype, dev,
-                 num_kv_blocks, block_size)
+        log.info(
+            "LLMKernel %s ready: %s on %s, %d KV blocks of %d tokens",
+            self.model_id,
+            self.dtype,
+            dev,
+            num_kv_blocks,
+            block_size,
+        )
 
     def _init_adapters(self, max_adapters, max_cpu_adapters, hub) -> None:
         self._hub = hub
@@ -117,8 +153,13 @@ class LLMKernel:
         self._versions: dict[str, int] = {}
         self._adapter_lock = threading.Lock()
         self.adapter_manager = AdapterManager(
-            self.model_config, max_adapters=max_adapters, max_cpu_adapters=max_cpu_adapters, dtype=self.dtype,
-            device=self.model.device, on_ready=lambda: self.engine.wake())
+            self.model_config,
+            max_adapters=max_adapters,
+            max_cpu_adapters=max_cpu_adapters,
+            dtype=self.dtype,
+            device=self.model.device,
+            on_ready=lambda: self.engine.wake(),
+        )
 
     # ------------------------------------------------------------------ adapters
     @property
@@ -137,15 +178,23 @@ class LLMKernel:
             return Path(self.hub.fetch(text, files=files))
         p = Path(text).expanduser()
         if not p.is_dir():
-            raise InvalidAdapter(f"adapter source {text!r} is not a folder nor an s3://, hf:// or file:// URI")
+            raise InvalidAdapter(
+                f"adapter source {text!r} is not a folder nor an s3://, hf:// or file:// URI"
+            )
         return p
 
     def _read(self, source: str | Path, name: str, files: dict[str, str] | None = None) -> LoraWeights:
         folder = self._materialize(source, files)
         return read_adapter(folder, self.model_config, max_rank=self.max_lora_rank, name=name)
 
-    def load_adapter(self, name: str, source: str | Path, *, version: int | None = None,
-                     files: dict[str, str] | None = None) -> None:
+    def load_adapter(
+        self,
+        name: str,
+        source: str | Path,
+        *,
+        version: int | None = None,
+        files: dict[str, str] | None = None,
+    ) -> None:
         """Parse and validate an adapter and make it servable under `name` (a new version if it exists).
         `files` (filename -> sha256) makes the hub verify what it fetches, now and on every re-read.
         Blocks the caller only; requests already running keep decoding."""
@@ -225,6 +274,7 @@ class LLMKernel:
         m = self.adapter_manager
         with self._adapter_lock:
             if m.resolve(name) is None:
+
                 def build() -> LoraWeights:
                     parts = []
                     for k, t in zip(keys, stage):
@@ -255,7 +305,9 @@ class LLMKernel:
             return list(prompt)
         raise InvalidRequest("each prompt must be a string or a list of token ids")
 
-    async def generate(self, prompt: Prompt, adapter_id: str | None = None, **sampling) -> AsyncIterator[Delta]:
+    async def generate(
+        self, prompt: Prompt, adapter_id: str | None = None, **sampling
+    ) -> AsyncIterator[Delta]:
         """Stream Deltas for one prompt (abandoning the iterator aborts the request). A chain runs its
         earlier stages to completion and streams the last one."""
         params = SamplingParams.from_kwargs(**sampling)
@@ -264,7 +316,7 @@ class LLMKernel:
         n_prompt = len(ids)
         for i, key in enumerate(stages):
             last = i == len(stages) - 1
-            out: list[int] = []
+            text = ""
             async for d in self.engine.stream(ids, params, adapter=key, adapter_key=key or ""):
                 if d.error:
                     raise self._error(d)
@@ -272,12 +324,13 @@ class LLMKernel:
                     d.prompt_tokens = n_prompt
                     yield d
                 else:
-                    out += d.token_ids
+                    text += d.text
             if not last:
-                ids = self._stage_output(out, params)
+                ids = self._stage_output(text, params)
 
-    def complete(self, prompts: Seq[Prompt], adapter_ids: Seq[str | None] | None = None,
-                 **sampling) -> list[Completion]:
+    def complete(
+        self, prompts: Seq[Prompt], adapter_ids: Seq[str | None] | None = None, **sampling
+    ) -> list[Completion]:
         if isinstance(prompts, str):
             prompts = [prompts]
         adapter_ids = [None] * len(prompts) if adapter_ids is None else list(adapter_ids)
@@ -299,19 +352,16 @@ class LLMKernel:
                     c.prompt_tokens = n_prompt[i]
                     results[i] = c
                 else:
-                    ids[i] = self._stage_output(c.token_ids, params)
+                    ids[i] = self._stage_output(c.text, params)
             depth += 1
         return results
 
-    def _stage_output(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+    def _stage_output(self, text: str, params: SamplingParams) -> list[int]:
         """The next stage's prompt: the previous stage's text, tokenized again."""
-        if token_ids and self._is_stop_token(token_ids[-1], params):
-            token_ids = token_ids[:-1]
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         nxt = self._prompt_ids(text) if text else []
         if not nxt:
             raise InvalidRequest("a chain stage produced no text to feed the next stage; raise max_tokens")
-        return nxt[-(self.max_model_len - params.max_tokens):] if len(nxt) >= self.max_model_len else nxt
+        return nxt[-(self.max_model_len - params.max_tokens) :] if len(nxt) >= self.max_model_len else nxt
 
     @staticmethod
     def _error(d: Delta) -> Exception:
@@ -319,16 +369,20 @@ class LLMKernel:
 
     def _run(self, jobs, params: SamplingParams) -> list[Completion]:
         done = threading.Semaphore(0)
-        results: list[list] = [[[], None, 0, None] for _ in jobs]
+        # [token ids, finish reason, prompt tokens, error, text]: the engine's deltas already carry the text
+        # with stop strings and stop tokens applied, so nothing is decoded twice.
+        results: list[list] = [[[], None, 0, None, ""] for _ in jobs]
 
         def collector(i: int):
             def on_delta(d: Delta) -> None:
                 r = results[i]
                 r[0].extend(d.token_ids)
+                r[4] += d.text
                 r[2] = d.prompt_tokens
                 if d.finish_reason is not None:
                     r[1], r[3] = d.finish_reason, (d.error, d.error_kind) if d.error else None
                     done.release()
+
             return on_delta
 
         for i, (ids, key) in enumerate(jobs):
@@ -336,27 +390,27 @@ class LLMKernel:
         for _ in jobs:
             done.acquire()
         out = []
-        for ids, reason, n_prompt, error in results:
+        for ids, reason, n_prompt, error, text in results:
             if error:
                 raise self._error(Delta("", [], reason, n_prompt, 0, error[0], error[1]))
-            shown = ids[:-1] if reason == "stop" and ids and self._is_stop_token(ids[-1], params) else ids
-            text = self.tokenizer.decode(shown, skip_special_tokens=True)
-            for s in params.stop:
-                if (j := text.find(s)) >= 0:
-                    text = text[:j]
             out.append(Completion(text, ids, reason, n_prompt))
         return out
 
-    def _is_stop_token(self, tok: int, params: SamplingParams) -> bool:
-        return tok in params.stop_token_ids or (not params.ignore_eos and tok in self.engine.eos_ids)
-
-    def infer(self, prompts: Seq[Prompt], adapter_ids: Seq[str | None] | None = None, **sampling) -> list[str]:
+    def infer(
+        self, prompts: Seq[Prompt], adapter_ids: Seq[str | None] | None = None, **sampling
+    ) -> list[str]:
         return [c.text for c in self.complete(prompts, adapter_ids, **sampling)]
 
     def stats(self) -> dict:
         e, m = self.engine, self.adapter_manager
-        return {"resident": m.resident(), "free_slots": m.free_slots(), "queue_len": e.num_waiting(),
-                "running": len(e.scheduler.running), "kv_usage": e.allocator.usage(), "loaded": m.names()}
+        return {
+            "resident": m.resident(),
+            "free_slots": m.free_slots(),
+            "queue_len": e.num_waiting(),
+            "running": len(e.scheduler.running),
+            "kv_usage": e.allocator.usage(),
+            "loaded": m.names(),
+        }
 
     def close(self) -> None:
         self.engine.stop()

@@ -50,8 +50,14 @@ class ForwardBatch:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype in names:
         return names[dtype]
     if dtype != "auto":
@@ -142,8 +148,10 @@ class Model:
         c = config
         self.embed = get("model.embed_tokens.weight")
         if tuple(self.embed.shape) != (c.vocab_size, c.hidden_size):
-            raise ValueError(f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
-                             f"({c.vocab_size}, {c.hidden_size})")
+            raise ValueError(
+                f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
+                f"({c.vocab_size}, {c.hidden_size})"
+            )
         self.norm = get("model.norm.weight")
         lm = get("lm_head.weight", required=not c.tie_word_embeddings)
         self.lm_head = self.embed if lm is None else lm
@@ -220,7 +228,9 @@ class Model:
         h = _rms_norm(h.index_select(0, b.logits_idx), self.norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
-    def _attention(self, q: torch.Tensor, b: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self, q: torch.Tensor, b: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor
+    ) -> torch.Tensor:
         c = self.cfg
         T = q.shape[0]
         out = torch.empty(T, c.num_heads * c.head_dim, dtype=q.dtype, device=q.device)
@@ -236,7 +246,9 @@ class Model:
             if win is not None:
                 mask &= pos >= lens - win
             qd = q.index_select(0, b.decode_idx)[:, :, None, :]  # [Bd, H, 1, d]
-            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask[:, None, None, :], enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qd, keys, vals, attn_mask=mask[:, None, None, :], enable_gqa=True
+            )
             out.index_copy_(0, b.decode_idx, o.reshape(o.shape[0], -1))
         for p in b.prefills:
             n = p.token_idx.shape[0]

@@ -60,8 +60,13 @@ class Scheduler:
     """`admit(seq)` may refuse a waiting sequence (its adapter is not resident yet): it is skipped, not blocking
     the queue. `release(seq)` is called whenever a sequence stops running (finished, aborted, preempted)."""
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
-                 admit: Callable[[Sequence], bool] = _always, release: Callable[[Sequence], None] = _nothing):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        admit: Callable[[Sequence], bool] = _always,
+        release: Callable[[Sequence], None] = _nothing,
+    ):
         self.config = config
         self.alloc = allocator
         self.admit = admit
@@ -132,7 +137,7 @@ class Scheduler:
         ids = seq.all_ids
         parent = None
         for j in range((len(ids) - 1) // bs):
-            h = block_hash(parent, tuple(ids[j * bs:(j + 1) * bs]), seq.adapter_key)
+            h = block_hash(parent, tuple(ids[j * bs : (j + 1) * bs]), seq.adapter_key)
             bid = self.alloc.lookup(h)
             if bid is None:
                 break
@@ -193,6 +198,6 @@ class Scheduler:
             while len(seq.block_hashes) < seq.num_computed // bs:
                 j = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
-                h = block_hash(parent, tuple(ids[j * bs:(j + 1) * bs]), seq.adapter_key)
+                h = block_hash(parent, tuple(ids[j * bs : (j + 1) * bs]), seq.adapter_key)
                 self.alloc.register(seq.block_ids[j], h)
                 seq.block_hashes.append(h)
