@@ -36,6 +36,9 @@ class AppConfig:
     served_model_name: str | None = None  # the id clients put in `model`; default: the model folder's name
     replicas: int = 1
     replica_num_cpus: float = 1.0
+    # torch intra-op threads per replica; None: the replica's CPUs rounded down, at least 1 (Ray's own
+    # OMP_NUM_THREADS rule, made explicit so a fractional reservation still gets a thread and it shows).
+    replica_threads: int | None = None
     replica_num_gpus: float = 0.0
     ingress_num_cpus: float = 0.5
     ingress_replicas: int = 1
@@ -61,6 +64,14 @@ class AppConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.replica_threads is not None and (
+            not isinstance(self.replica_threads, int)
+            or isinstance(self.replica_threads, bool)
+            or self.replica_threads < 1
+        ):
+            raise ValueError(
+                f"replica_threads: must be a positive integer or null, got {self.replica_threads!r}"
+            )
         for name in ("replica_num_cpus", "replica_num_gpus", "ingress_num_cpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
@@ -80,6 +91,11 @@ class AppConfig:
             raise ValueError(f"router: unknown keys {bad}; the router accepts {sorted(ROUTER_KEYS)}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url: {self.redis_url!r} is not a redis:// rediss:// or unix:// URL")
+
+    @property
+    def threads(self) -> int:
+        """torch threads a replica runs with."""
+        return self.replica_threads or max(1, int(self.replica_num_cpus))
 
     @property
     def model_name(self) -> str:
@@ -111,7 +127,9 @@ def coerce_args(args: dict[str, Any]) -> dict[str, Any]:
     for key, value in args.items():
         kind = kinds.get(key, "")
         if isinstance(value, str):
-            if kind.startswith("bool"):
+            if "None" in kind and value.lower() in ("", "none", "null"):
+                value = None
+            elif kind.startswith("bool"):
                 if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError(f"{key}: expected true or false, got {value!r}")
                 value = value.lower() in ("true", "1", "yes")
@@ -123,7 +141,5 @@ def coerce_args(args: dict[str, Any]) -> dict[str, Any]:
                 import json
 
                 value = json.loads(value)
-            elif "None" in kind and value.lower() in ("", "none", "null"):
-                value = None
         out[key] = value
     return out

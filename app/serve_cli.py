@@ -41,7 +41,18 @@ def register_serve(subparsers) -> argparse.ArgumentParser:
         help="where POST /v1/adapters {name} finds adapters (a folder is also allowed as a local root)",
     )
     p.add_argument("--no-auth", action="store_true", help="no API keys, admin routes open: local demo ONLY")
-    p.add_argument("--replica-cpus", type=float, default=1.0)
+    p.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="CPUs Ray reserves per replica (default: this machine's cores / --replicas, at least 1)",
+    )
+    p.add_argument(
+        "--replica-threads",
+        type=int,
+        default=None,
+        help="torch threads per replica (default: --replica-cpus rounded down, at least 1)",
+    )
     p.add_argument(
         "--replica-gpus", type=float, default=None, help="default: 1 when CUDA is available, else 0"
     )
@@ -76,7 +87,10 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> AppConfig:
         model=args.model,
         served_model_name=args.served_model_name,
         replicas=args.replicas,
-        replica_num_cpus=args.replica_cpus,
+        replica_num_cpus=args.replica_cpus
+        if args.replica_cpus is not None
+        else max(1.0, float((os.cpu_count() or 1) // args.replicas)),
+        replica_threads=args.replica_threads,
         replica_num_gpus=gpus,
         redis_url=redis_url,
         adapter_store=store,

@@ -112,6 +112,7 @@ def test_ingress_runs_on_the_head(serve_yaml, cluster_yaml):
         ({"router": {"speed": 1}}, "router"),
         ({"redis_url": "http://x"}, "redis_url"),
         ({"replicas": 0}, "replicas"),
+        ({"replica_threads": 0}, "replica_threads"),
         ({"heartbeat_ttl_s": 1.0, "heartbeat_s": 2.0}, "heartbeat_ttl_s"),
         ({"model": ""}, "model"),
     ],
@@ -135,6 +136,10 @@ def test_app_config_from_serve_run_strings():
     assert (cfg.replicas, cfg.no_auth, cfg.replica_num_cpus, cfg.redis_url) == (2, True, 0.5, None)
     assert cfg.model_name == "tiny" and cfg.base_ids == {"tiny", "/models/tiny"}
     assert AppConfig(model="org/model").model_name == "org/model"
+    # torch threads per replica: explicit, else the reserved CPUs rounded down (at least one)
+    assert AppConfig.from_dict(coerce_args({"model": "m", "replica_threads": "3"})).threads == 3
+    assert AppConfig.from_dict(coerce_args({"model": "m", "replica_threads": "none"})).threads == 1
+    assert AppConfig(model="m", replica_num_cpus=2.5).threads == 2
     with pytest.raises(ValueError, match="unknown application args"):
         AppConfig.from_dict({"model": "m", "replica": 2})
     with pytest.raises(ValueError, match="no_auth"):

@@ -8,6 +8,7 @@ by ReplicaCore (app/replica/core.py); this module adapts it to Serve, and to the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,18 @@ class LocalBackend:
         if method != "inspect_adapter":
             raise ValueError(f"unknown replica method {method!r}")
         return await self.core.inspect(*args)
+
+
+def _log_info_to_stderr() -> None:
+    """Ray leaves a worker's root logger unconfigured (warnings only): show our INFO lines (adapter loads and
+    their timings) on the replica's stderr, which Ray writes to its log and streams to the driver."""
+    lg = logging.getLogger("loraland")
+    if not lg.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        lg.addHandler(h)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
 
 
 def make_replica_deployment(cfg: AppConfig):
@@ -55,10 +68,15 @@ def make_replica_deployment(cfg: AppConfig):
     )
     class LoraReplica:
         def __init__(self, config: dict):
+            import torch
+
+            _log_info_to_stderr()
             ctx = serve.get_replica_context()
             rid = ctx.replica_id
+            cfg = AppConfig.from_dict(config)
+            torch.set_num_threads(cfg.threads)
             self.core = ReplicaCore(
-                AppConfig.from_dict(config), rid.unique_id, extra={"actor_name": rid.to_full_id_str()}
+                cfg, rid.unique_id, extra={"actor_name": rid.to_full_id_str(), "threads": cfg.threads}
             )
             self.core.start()
 
