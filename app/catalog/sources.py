@@ -46,6 +46,13 @@ def hash_folder(folder: Path, files: list[str] | None = None) -> dict[str, str]:
     return {rel: sha256_file(folder / rel) for rel in (files if files is not None else adapter_files(folder))}
 
 
+def _mismatch(uri: str, rel: str, got: str, want: str) -> str:
+    return (
+        f"{uri}: checksum mismatch for {rel} (sha256 {got[:12]}..., registered {want[:12]}...): the file "
+        "changed after registration; re-register the adapter if the change is intended"
+    )
+
+
 class _HubMissing(AdapterUnavailable):
     """The Hub (or its offline cache) has no such repo or revision: for get(), an unknown name."""
 
@@ -137,10 +144,7 @@ class AdapterHub:
                 )
             got = sha256_file(path)
             if got != want:
-                raise InvalidAdapter(
-                    f"{uri}: checksum mismatch for {rel} (sha256 {got[:12]}..., registered {want[:12]}...): the file "
-                    "changed after registration; re-register the adapter if the change is intended"
-                )
+                raise InvalidAdapter(_mismatch(uri, rel, got, want))
 
     def _fetch_local(self, uri: str, files: dict[str, str] | None, untrusted: bool) -> Path:
         folder = Path(uri[len("file://") :] if uri.startswith("file://") else uri).expanduser()
@@ -171,35 +175,38 @@ class AdapterHub:
             if hit is not None:
                 return hit[0]
         client = s3.client()
-        objects = s3.list_objects(client, bucket, prefix, uri)
-        if files:
-            missing = sorted(set(files) - set(objects))
-            if missing:
-                raise AdapterUnavailable(
-                    f"{uri}: no such key {prefix}/{missing[0]} (registered with the adapter): push the adapter again"
-                )
-            wanted = {rel: objects[rel] for rel in files}
+        if files:  # the catalog names every file: fetch them directly, no listing round trip
+            wanted = {rel: f"{prefix}/{rel}" for rel in files}
         else:
-            wanted = {rel: o for rel, o in objects.items() if is_adapter_file(rel)}
-            if not wanted:
+            objects = s3.list_objects(client, bucket, prefix, uri)
+            found = {rel: o for rel, o in objects.items() if is_adapter_file(rel)}
+            if not found:
                 raise AdapterUnavailable(
                     f"{uri}: no adapter files under this prefix (no such key): check the URI"
                 )
             key = "uri-" + hashlib.sha256(uri.encode()).hexdigest()[:40]
-            etags = {rel: o.etag for rel, o in wanted.items()}
             hit = self.cache.lookup(key)
-            if hit is not None and hit[1].get("etags") == etags:
+            if hit is not None and hit[1].get("etags") == {rel: o.etag for rel, o in found.items()}:
                 return hit[0]
-        size = sum(o.size for o in wanted.values())
-        self._check_size(uri, size)
+            self._check_size(uri, sum(o.size for o in found.values()))
+            wanted = {rel: o.key for rel, o in found.items()}
         with self.cache.staging() as tmp:
-            left, got = self.settings.max_adapter_bytes, {}
-            for rel, obj in sorted(wanted.items()):
-                got[rel] = s3.download(client, bucket, obj, tmp / rel, limit=left, uri=uri)
-                left -= obj.size
-            if files:
-                self._verify(uri, tmp, files)
-            meta = {"uri": uri, "files": got, "size": size, "etags": {r: o.etag for r, o in wanted.items()}}
+            left, got, etags = self.settings.max_adapter_bytes, {}, {}
+            for rel, obj_key in sorted(wanted.items()):
+                got[rel], n, etags[rel] = s3.download(
+                    client,
+                    bucket,
+                    obj_key,
+                    tmp / rel,
+                    limit=left,
+                    cap=self.settings.max_adapter_bytes,
+                    uri=uri,
+                )
+                left -= n
+                if files and got[rel] != files[rel]:  # hashed while downloading: no second read
+                    raise InvalidAdapter(_mismatch(uri, rel, got[rel], files[rel]))
+            size = self.settings.max_adapter_bytes - left
+            meta = {"uri": uri, "files": got, "size": size, "etags": etags}
             return self.cache.commit(key, tmp, meta, replace=not files)
 
     def _fetch_hf(self, uri: str, files: dict[str, str] | None) -> Path:
