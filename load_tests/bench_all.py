@@ -1,13 +1,20 @@
-"""`./run bench`: the benchmark table on the TinyLlama-width 2-layer random model (workload W).
+"""`./run bench`: every benchmark on the TinyLlama-width 2-layer random model (workload W), then one table.
 
-    python -m load_tests.bench_all [--skip-engine] [--skip-lora] [--skip-serving] [--out DIR]
+    python -m load_tests.bench_all [--only engine,lora,serving,cold,vllm] [--adapters 200] [--out DIR]
+                                   [--vllm-venv DIR] [--vllm-dtype float32]
 
-1. engine vs HF transformers (load_tests.bench_engine, fp32)
-2. multi-LoRA ratios P1, P1b, P2, P4, P6 (load_tests.bench_lora)
-3. over HTTP: `loraland serve` (1 replica, --no-auth) with 200 rank-16 q,v adapters registered from a local
-   adapter store; load_tests.bench_serving with 64 concurrent requests x 128 prompt x 64 output tokens, each on
-   a random adapter, against the same server on the base model (the seed's experiment), and HTTP vs
-   engine-direct throughput on the same workload (P7).
+engine   the engine vs HF transformers `generate`, fp32 (load_tests.bench_engine)
+lora     multi-LoRA ratios P1, P1b, P2, P4, P6, engine-direct (load_tests.bench_lora)
+serving  over HTTP: `loraland serve` (1 replica, all cores) with N rank-16 q,v adapters from a local adapter
+         store; load_tests.bench_serving, 64 concurrent x 128 prompt x 64 output tokens, each request on a random
+         adapter, against the same server on the base model (the seed's experiment), swept over 1, 10, N adapters
+         (throughput_vs_adapters.png); with `lora`, HTTP / engine-direct (P7)
+cold     adapters only in S3: extra TTFT and other requests' TPOT during cold loads (load_tests.bench_cold)
+vllm     the peer: vLLM's CPU build (its own venv, --vllm-venv; skipped when absent) over HTTP with the same
+         workload and the same adapters, its OpenMP team bound to as many cores as our replica has threads
+
+Stages run one after another (they would share the 2 cores otherwise); each writes DIR/<stage>.json, and the
+table is built from whatever JSON files DIR holds, so `--only vllm` adds the peer to an earlier run's table.
 """
 
 from __future__ import annotations
@@ -17,13 +24,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 from load_tests.bench_lora import CACHE, build_bench_adapters
 from load_tests.models import build_bench_model
+from load_tests.servers import loraland_serve, vllm_serve
+
+STAGES = ("engine", "lora", "serving", "cold", "vllm")
+WORKLOAD = ["--concurrency", "64", "--num-requests", "64", "--prompt-len", "128", "--output-len", "64"]
+# One untimed pass of each run first: vLLM CPU compiles per batch shape, and adapters are then resident on both.
+WORKLOAD += ["--seed", "0", "--warmup-runs", "1", "--no-progress"]
 
 
 def _run(mod: str, *args: str) -> None:
@@ -31,105 +41,271 @@ def _run(mod: str, *args: str) -> None:
     subprocess.run([sys.executable, "-m", mod, *args], check=True)
 
 
-def serving(out: Path, n_adapters: int, port: int = 8765) -> dict:
+def _bench_assets(n: int) -> tuple[Path, Path]:
     model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
     store = CACHE / "bench-adapters" / "qv-r16"
-    build_bench_adapters(model_dir, store, n_adapters, r=16, targets=("q_proj", "v_proj"), prefix="qv")
-    env = {**os.environ, "LORALAND_CACHE_DIR": str(out / "cache")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "app.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        "base",
-        "--replicas",
-        "1",
-        "--port",
-        str(port),
-        "--no-auth",
-        "--adapter-store",
-        str(store),
-        "--max-adapters",
-        "64",
-        "--max-batch-size",
-        "64",
-    ]
-    srv = subprocess.Popen(cmd, env=env, stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if srv.poll() is not None:
-                raise RuntimeError(f"loraland serve exited ({srv.returncode}); see {out / 'serve.log'}")
-            time.sleep(1)
-        with httpx.Client(base_url=base_url, timeout=120) as c:
-            for i in range(n_adapters):
+    build_bench_adapters(model_dir, store, n, r=16, targets=("q_proj", "v_proj"), prefix="qv")
+    return model_dir, store
+
+
+def serving(out: Path, n: int) -> None:
+    import httpx
+
+    model_dir, store = _bench_assets(n)
+    env = {"LORALAND_CACHE_DIR": str(out / f"cache-{os.getpid()}")}
+    args = ["--adapter-store", str(store), "--max-adapters", "64", "--max-batch-size", "64"]
+    with loraland_serve(model_dir, out / "serve.log", *args, env=env) as url:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for i in range(n):
                 r = c.post("/v1/adapters", json={"name": f"qv{i}"})
                 if r.status_code not in (200, 201):
                     raise RuntimeError(f"registering qv{i}: {r.status_code} {r.text}")
-        result = out / "serving.json"
+        sweep = ",".join(str(k) for k in sorted({1, 10, n}))
         _run(
             "load_tests.bench_serving",
             "--base-url",
-            f"{base_url}/v1",
+            f"{url}/v1",
             "--model",
             "base",
+            *WORKLOAD,
             "--adapter-prefix",
             "qv",
             "--num-adapters",
-            str(n_adapters),
+            sweep,
             "--popularity",
             "uniform",
             "--baseline",
-            "--concurrency",
-            "64",
-            "--num-requests",
-            "64",
-            "--prompt-len",
-            "128",
-            "--output-len",
-            "64",
-            "--warmup-runs",
-            "1",
+            "--label",
+            "ours",
             "--out",
-            str(result),
+            str(out / "serving.json"),
             "--plot-dir",
             str(out / "plots"),
-            "--no-progress",
         )
-        return json.loads(result.read_text())
-    finally:
-        srv.send_signal(2)
-        try:
-            srv.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            srv.kill()
 
 
-def main() -> None:
+def vllm(out: Path, n: int, venv: Path, dtype: str) -> None:
+    model_dir, store = _bench_assets(n)
+    threads = os.cpu_count() or 1  # what our replica gets by default (one replica, all cores)
+    cpus = f"0-{threads - 1}"
+    adapters = {f"qv{i}": store / f"qv{i}" for i in range(n)}
+    common = ["--model", "base", *WORKLOAD, "--timeout", "3600"]
+    with vllm_serve(venv, model_dir, out / "vllm_base.log", dtype=dtype, cpus=cpus) as url:
+        _run(
+            "load_tests.bench_serving",
+            "--base-url",
+            f"{url}/v1",
+            *common,
+            "--popularity",
+            "base",
+            "--label",
+            "vllm",
+            "--out",
+            str(out / "vllm_base.json"),
+        )
+    with vllm_serve(venv, model_dir, out / "vllm_lora.log", adapters=adapters, dtype=dtype, cpus=cpus) as url:
+        _run(
+            "load_tests.bench_serving",
+            "--base-url",
+            f"{url}/v1",
+            *common,
+            "--adapter-prefix",
+            "qv",
+            "--num-adapters",
+            str(n),
+            "--popularity",
+            "uniform",
+            "--baseline",
+            "--label",
+            "vllm+lora",
+            "--out",
+            str(out / "vllm_lora.json"),
+            "--plot-dir",
+            str(out / "plots_vllm"),
+        )
+    (out / "vllm.json").write_text(json.dumps({"dtype": dtype, "cpus": cpus, "venv": str(venv)}))
+
+
+# ------------------------------------------------------------------------------------------ the table
+def _load(out: Path, name: str) -> dict | None:
+    p = out / f"{name}.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _run_by(result: dict | None, pop: str, n: int | None = None) -> dict | None:
+    """The summary of the run with this popularity (and adapter count) in a bench_serving result."""
+    for r in (result or {}).get("runs", []):
+        if r["popularity"].startswith(pop) and (n is None or r["num_adapters"] == n):
+            return r["summary"]
+    return None
+
+
+def _tps(s: dict | None) -> float | None:
+    return s["output_tokens_per_s"] if s else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summary_rows(out: Path) -> list[tuple[str, str, str]]:
+    """(measurement, result, target) for every stage whose JSON is in out."""
+    rows: list[tuple[str, str, str]] = []
+    eng, lora, srv, cold = (_load(out, k) for k in ("engine", "lora", "serving", "cold"))
+    vb, vl, vcfg = (_load(out, k) for k in ("vllm_base", "vllm_lora", "vllm"))
+    if eng:
+        for r in eng["rows"]:
+            hf = r["hf_tok_s"]
+            ratio = f" = {r['ours_tok_s'] / hf:.2f}x" if hf else ""
+            rows.append(
+                (
+                    f"engine vs HF generate, {r['dtype']}",
+                    f"{r['ours_tok_s']:.1f} vs {hf or 0:.1f} tok/s{ratio}",
+                    "",
+                )
+            )
+    if lora:
+        t, n = lora["tok_s"], lora["adapters"]
+        rows.append(
+            (
+                f"P1 {n} q,v r16 adapters / base",
+                f"{t['qv']:.1f} / {t['base']:.1f} = {t['qv'] / t['base']:.3f}",
+                ">= 0.97",
+            )
+        )
+        rows.append(
+            (
+                f"P1b {n} all-seven / base",
+                f"{t['all7']:.1f} / {t['base']:.1f} = {t['all7'] / t['base']:.3f}",
+                ">= 0.90",
+            )
+        )
+        if "peft_qv" in t:
+            rows.append(
+                (
+                    "P2 ours / HF+PEFT mixed batch",
+                    f"{t['qv']:.1f} / {t['peft_qv']:.1f} = {t['qv'] / t['peft_qv']:.2f}x",
+                    ">= 4x",
+                )
+            )
+        if "distinct1000" in t:
+            drop = 100 * (1 - t["distinct1000"] / t["distinct5"])
+            rows.append(
+                (
+                    "P4 1000 vs 5 distinct adapters",
+                    f"{t['distinct1000']:.1f} vs {t['distinct5']:.1f}: {drop:.1f}% drop",
+                    "<= 3%",
+                )
+            )
+        rows.append(
+            (
+                "P6 resident / tensor bytes, ranks 4-32",
+                f"pools {lora['p6_pools']:.3f}, RSS {lora['p6_rss']:.3f}",
+                "<= 1.1",
+            )
+        )
+    n = srv["runs"][-1]["num_adapters"] if srv else None
+    ours_base, ours_n = _run_by(srv, "base"), _run_by(srv, "uniform", n)
+    if ours_base and ours_n:
+        c = next(c for c in srv["comparisons"] if c["run"] == srv["runs"][-1]["label"])
+        rows.append(
+            (
+                f"seed: HTTP, {n} adapters uniform vs base, 64 conc.",
+                f"{_tps(ours_n):.1f} vs {_tps(ours_base):.1f} tok/s ({c['output_tokens_per_s_change_pct']:+.1f}%), "
+                f"p99 TPOT {c['tpot_p99_change_ms']:+.1f} ms, p99 E2E {c['e2e_p99_change_ms']:+.0f} ms",
+                "seed (A100): -3%, +5 ms",
+            )
+        )
+        sweep = [f"{r['num_adapters']}: {_tps(r['summary']):.1f}" for r in srv["runs"] if r["num_adapters"]]
+        rows.append(("HTTP tok/s by number of adapters", ", ".join(sweep), ""))
+    if ours_n and lora:
+        p7 = _ratio(_tps(ours_n), lora["tok_s"]["qv"])
+        rows.append(
+            (
+                "P7 HTTP / engine-direct, q,v adapters",
+                f"{_tps(ours_n):.1f} / {lora['tok_s']['qv']:.1f} = {p7:.2f}",
+                ">= 0.90",
+            )
+        )
+    if cold:
+        p5, it = cold["p5"], cold["interference"]
+        ex = [p["cold_ttft_ms"] - p["warm_ttft_ms"] for p in p5["probes"]]
+        mb = cold["config"]["adapter_mb"]
+        rows.append(
+            (
+                f"P5 cold (S3) - warm TTFT, {mb:.1f} MB adapter",
+                f"median {sorted(ex)[len(ex) // 2]:.1f} ms, max {max(ex):.1f} ms ({len(ex)} adapters)",
+                "<= 50 ms",
+            )
+        )
+        pct = it["tpot_p99_cold_vs_warm_pct"]
+        rows.append(
+            (
+                f"p99 TPOT while {cold['config']['burst']} cold loads run",
+                ("n/a" if pct is None else f"{pct:+.1f}% vs the same burst warm")
+                + f", {it['background_failed']} of {it['background_requests']} failed",
+                "<= +10%",
+            )
+        )
+    vl_n, vl_base, vb_base = _run_by(vl, "uniform"), _run_by(vl, "base"), _run_by(vb, "base")
+    tag = f"vLLM CPU {vcfg['dtype']}, cores {vcfg['cpus']}" if vcfg else "vLLM CPU"
+    if vb_base or vl_n:
+        parts = [f"no-LoRA server {_tps(vb_base):.1f}" if vb_base else None]
+        parts.append(f"LoRA server base {_tps(vl_base):.1f}" if vl_base else None)
+        parts.append(f"{n or '?'} adapters {_tps(vl_n):.1f}" if vl_n else None)
+        rows.append((f"{tag}, HTTP, tok/s", ", ".join(p for p in parts if p), ""))
+    if ours_n and vl_n:
+        rows.append(("P3 ours / vLLM, both with adapters", f"{_tps(ours_n) / _tps(vl_n):.2f}x", ">= 5x"))
+    if ours_n and vb_base:
+        rows.append(("ours with adapters / vLLM base only", f"{_tps(ours_n) / _tps(vb_base):.2f}", ">= 1.0"))
+    return rows
+
+
+def print_summary(rows: list[tuple[str, str, str]], file=None) -> None:
+    w0 = max([len(r[0]) for r in rows] + [11])
+    w1 = max([len(r[1]) for r in rows] + [6])
+    print(f"\n{'measurement':{w0}}  {'result':{w1}}  target", file=file)
+    for name, result, target in rows:
+        print(f"{name:{w0}}  {result:{w1}}  {target}", file=file)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--skip-lora", action="store_true")
-    ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--only", default=",".join(STAGES), help="comma-separated stages (default: all)")
     ap.add_argument("--adapters", type=int, default=200)
     ap.add_argument("--out", type=Path, default=Path("load_tests/results"))
-    a = ap.parse_args()
+    ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "/work/vllm-venv")))
+    ap.add_argument(
+        "--vllm-dtype", default="float32", help="float32 is vLLM CPU's faster dtype on AVX2-only CPUs"
+    )
+    a = ap.parse_args(argv)
+    stages = [s for s in a.only.split(",") if s]
+    if bad := set(stages) - set(STAGES):
+        ap.error(f"unknown stage(s) {sorted(bad)}; choose from {', '.join(STAGES)}")
     a.out.mkdir(parents=True, exist_ok=True)
-    if not a.skip_engine:
-        _run("load_tests.bench_engine", "--dtypes", "float32")
-    if not a.skip_lora:
-        _run("load_tests.bench_lora", "--adapters", str(a.adapters))
-    if not a.skip_serving:
-        serving(a.out, a.adapters)
+    out = a.out.resolve()
+    for stage in stages:
+        if stage == "engine":
+            _run("load_tests.bench_engine", "--dtypes", "float32", "--json", str(out / "engine.json"))
+        elif stage == "lora":
+            _run("load_tests.bench_lora", "--adapters", str(a.adapters), "--json", str(out / "lora.json"))
+        elif stage == "serving":
+            serving(out, a.adapters)
+        elif stage == "cold":
+            _run("load_tests.bench_cold", "--out", str(out))
+        elif stage == "vllm":
+            if (a.vllm_venv / "bin" / "python").is_file():
+                vllm(out, a.adapters, a.vllm_venv, a.vllm_dtype)
+            else:
+                print(f"\nvllm: skipped, no venv at {a.vllm_venv} (see load_tests/vllm_peer.md)")
+    rows = summary_rows(out)
+    print_summary(rows)
+    (out / "summary.json").write_text(
+        json.dumps([dict(zip(("measurement", "result", "target"), r)) for r in rows], indent=1)
+    )
+    print(f"\nwrote {out / 'summary.json'} (per-stage JSON, logs and plots beside it)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

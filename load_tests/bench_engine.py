@@ -9,6 +9,7 @@ Peers measured on the reference machine (2 cores): transformers fp32 218 tok/s; 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     model_dir = build_bench_model(CACHE)
     prompts = workload_w(a.requests, a.prompt_len)
@@ -66,10 +68,17 @@ def main() -> None:
         f"workload: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}"
     )
     print(f"{'dtype':10} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8}")
+    rows = []
     for dtype in a.dtypes.split(","):
         ours = run_ours(model_dir, prompts, a.new, dtype)
-        hf = float("nan") if a.no_hf else run_hf(model_dir, prompts, a.new, dtype)
-        print(f"{dtype:10} {ours:11.1f} {hf:9.1f} {ours / hf:8.2f}", flush=True)
+        hf = None if a.no_hf else run_hf(model_dir, prompts, a.new, dtype)
+        rows.append({"dtype": dtype, "ours_tok_s": ours, "hf_tok_s": hf})
+        print(
+            f"{dtype:10} {ours:11.1f} {hf or float('nan'):9.1f} {ours / (hf or float('nan')):8.2f}",
+            flush=True,
+        )
+    if a.json:
+        a.json.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

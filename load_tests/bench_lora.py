@@ -14,6 +14,7 @@ vLLM CPU 0.32 bf16 base 838 / q,v 124 / all-seven 115 tok/s.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from pathlib import Path
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=200)
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--skip-p4", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
     root = CACHE / "bench-adapters"
@@ -159,6 +161,14 @@ def main() -> None:
     print(
         f"P6 resident bytes / tensor bytes, ranks 4-32 mixed: pools {touched:.3f}, RSS growth {grown:.3f} (<= 1.1)"
     )
+    if a.json:
+        tok_s = {"base": base, "qv": t_qv, "all7": t_all}
+        if not a.skip_peft:
+            tok_s["peft_qv"] = t_peft
+        if not a.skip_p4:
+            tok_s |= {"distinct5": t5, "distinct1000": t1000}
+        out = {"threads": torch.get_num_threads(), "adapters": a.adapters, "tok_s": tok_s}
+        a.json.write_text(json.dumps(out | {"p6_pools": touched, "p6_rss": grown}, indent=1))
 
 
 if __name__ == "__main__":
