@@ -391,7 +391,9 @@ def _read_tensors(folder: Path, f: Any, model: ModelConfig, ranks: dict[tuple[in
             t = t.to(torch.float32)
             if not torch.isfinite(t).all():
                 raise _refuse(folder, f"tensor {key} holds NaN or inf values: the adapter is corrupt")
-            pair.append(t)
+            # Same values, column-major storage: the device pools hold A^T and B^T, so installing an adapter
+            # (on the engine's step thread) is then a plain copy; the transpose is paid here, off that thread.
+            pair.append(t.t().contiguous().t())
         tensors[(lay, mod)] = (pair[0], pair[1])
     return tensors
 

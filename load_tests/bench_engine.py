@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -20,37 +21,62 @@ from load_tests.models import build_bench_model, workload_w
 CACHE = Path.home() / ".cache" / "loraland" / "bench-tinyllama-2l"
 
 
-def run_ours(model_dir, prompts, new_tokens, dtype) -> float:
-    from loraland import LLMKernel
+class Ours:
+    """The engine on workload-shaped batches (prefix caching off: every pass has fresh prompts anyway)."""
 
-    with LLMKernel(model_dir, dtype=dtype, max_batch_size=len(prompts), max_num_batched_tokens=4096) as k:
-        k.complete([prompts[0][:16]], max_tokens=2, ignore_eos=True)  # warm-up
-        t = time.perf_counter()
-        outs = k.complete(prompts, max_tokens=new_tokens, ignore_eos=True)
-        dt = time.perf_counter() - t
-    assert all(len(o.token_ids) == new_tokens for o in outs)
-    return sum(len(o.token_ids) for o in outs) / dt
+    def __init__(self, model_dir, max_batch: int, dtype: str):
+        from loraland import LLMKernel
 
-
-def run_hf(model_dir, prompts, new_tokens, dtype) -> float:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    ids = torch.tensor(prompts)
-    with torch.no_grad():
-        model.generate(ids[:1, :16], max_new_tokens=2, do_sample=False)
-        t = time.perf_counter()
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
+        self.k = LLMKernel(
+            model_dir,
+            dtype=dtype,
+            max_batch_size=max_batch,
+            max_num_batched_tokens=4096,
+            enable_prefix_caching=False,
         )
+        self.k.complete([[5, 6, 7]], max_tokens=2, ignore_eos=True)  # warm-up
+
+    def run(self, prompts, new_tokens) -> float:
+        t = time.perf_counter()
+        outs = self.k.complete(prompts, max_tokens=new_tokens, ignore_eos=True)
         dt = time.perf_counter() - t
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+        return sum(len(o.token_ids) for o in outs) / dt
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.k.close()
+
+
+class HF:
+    """transformers `generate` on the whole batch at once (same prompts, greedy, exactly new_tokens each)."""
+
+    def __init__(self, model_dir, dtype: str):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype)
+        ).eval()
+        with torch.no_grad():
+            self.model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+
+    def run(self, prompts, new_tokens) -> float:
+        ids = torch.tensor(prompts)
+        with torch.no_grad():
+            t = time.perf_counter()
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            dt = time.perf_counter() - t
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
 
 
 def main() -> None:
@@ -59,24 +85,36 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="interleaved passes (ours, HF, ours, ...); medians"
+    )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     model_dir = build_bench_model(CACHE)
-    prompts = workload_w(a.requests, a.prompt_len)
     print(
-        f"workload: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}"
+        f"workload: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}, "
+        f"{a.repeats} interleaved passes (medians)"
     )
-    print(f"{'dtype':10} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8}")
     rows = []
     for dtype in a.dtypes.split(","):
-        ours = run_ours(model_dir, prompts, a.new, dtype)
-        hf = None if a.no_hf else run_hf(model_dir, prompts, a.new, dtype)
-        rows.append({"dtype": dtype, "ours_tok_s": ours, "hf_tok_s": hf})
-        print(
-            f"{dtype:10} {ours:11.1f} {hf or float('nan'):9.1f} {ours / (hf or float('nan')):8.2f}",
-            flush=True,
+        ours_s, hf_s = [], []
+        with Ours(model_dir, a.requests, dtype) as ours:
+            hf = None if a.no_hf else HF(model_dir, dtype)
+            for r in range(a.repeats):
+                prompts = workload_w(a.requests, a.prompt_len, seed=r)
+                ours_s.append(ours.run(prompts, a.new))
+                if hf is not None:
+                    hf_s.append(hf.run(prompts, a.new))
+                print(
+                    f"  pass {r + 1}: ours {ours_s[-1]:.1f}, HF {hf_s[-1] if hf_s else float('nan'):.1f} tok/s"
+                )
+        o, h = statistics.median(ours_s), (statistics.median(hf_s) if hf_s else None)
+        rows.append(
+            {"dtype": dtype, "ours_tok_s": o, "hf_tok_s": h, "ours_samples": ours_s, "hf_samples": hf_s}
         )
+        print(f"{'dtype':10} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8}")
+        print(f"{dtype:10} {o:11.1f} {h or float('nan'):9.1f} {o / (h or float('nan')):8.2f}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -46,23 +47,34 @@ def throughput(k, prompts, ids, new) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
-def ours(model_dir, prompts, adapters: dict[str, Path], n_distinct: int | None, new: int, seed=0) -> float:
+def interleaved(model_dir, adapters: dict[str, Path], runs: dict, a) -> dict[str, list[float]]:
+    """tok/s of each named run (name -> the adapter per request), all on one kernel holding `adapters`,
+    pass by pass (A B C, A B C, ...) so that the machine's drifts in speed hit every run alike. Each pass
+    has its own prompts; prefix caching is off, so no run is served from another's KV."""
     from loraland import LLMKernel
 
-    names = list(adapters)
-    rng = random.Random(seed)
-    pick = names[:n_distinct] if n_distinct else names
-    ids = [rng.choice(pick) for _ in prompts] if names else [None] * len(prompts)
+    samples: dict[str, list[float]] = {name: [] for name in runs}
     with LLMKernel(
         model_dir,
-        max_batch_size=len(prompts),
+        max_batch_size=a.requests,
         max_num_batched_tokens=4096,
-        max_adapters=max(len(prompts), 8),
-        max_cpu_adapters=max(len(names), 1),
+        max_adapters=max(a.requests, 8),
+        max_cpu_adapters=max(len(adapters), 1),
+        enable_prefix_caching=False,
     ) as k:
         for name, path in adapters.items():
             k.load_adapter(name, path)
-        return throughput(k, prompts, ids, new)
+        for r in range(a.repeats):
+            prompts = workload_w(a.requests, a.prompt_len, seed=r)
+            for name, ids in runs.items():
+                samples[name].append(throughput(k, prompts, ids, a.new))
+                print(f"  pass {r + 1}: {name:14} {samples[name][-1]:7.1f} tok/s", flush=True)
+    return samples
+
+
+def pick(names: list[str], n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [rng.choice(names) for _ in range(n)]
 
 
 def peft_mixed(model_dir, prompts, adapters: dict[str, Path], new: int, seed=0) -> float:
@@ -120,13 +132,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved passes per run; medians reported")
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--skip-p4", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
     root = CACHE / "bench-adapters"
-    prompts = workload_w(a.requests, a.prompt_len)
     qv = build_bench_adapters(
         model_dir, root / "qv-r16", a.adapters, r=16, targets=("q_proj", "v_proj"), prefix="qv"
     )
@@ -134,41 +146,48 @@ def main() -> None:
         model_dir, root / "all7-r16", a.adapters, r=16, targets=ALL_SEVEN, prefix="all7"
     )
     print(
-        f"workload W: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}"
+        f"workload W: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, "
+        f"threads={torch.get_num_threads()}, {a.repeats} interleaved passes (medians)"
     )
-    rows = []
-    base = ours(model_dir, prompts, {}, None, a.new)
-    rows.append(("base model", base, ""))
-    t_qv = ours(model_dir, prompts, qv, None, a.new)
-    rows.append((f"{a.adapters} q,v r16 adapters", t_qv, f"P1 = {t_qv / base:.3f} (>= 0.97)"))
-    t_all = ours(model_dir, prompts, all7, None, a.new)
-    rows.append((f"{a.adapters} all-seven r16 adapters", t_all, f"P1b = {t_all / base:.3f} (>= 0.90)"))
-    if not a.skip_peft:
-        t_peft = peft_mixed(model_dir, prompts, qv, a.new)
-        rows.append(("HF+PEFT mixed batch, q,v", t_peft, f"P2 = ours/PEFT = {t_qv / t_peft:.2f}x (>= 4x)"))
+    n = a.requests
+    runs = {"base": [None] * n, "qv": pick(list(qv), n), "all7": pick(list(all7), n)}
+    samples = interleaved(model_dir, qv | all7, runs, a)
     if not a.skip_p4:
         many = build_bench_adapters(
             model_dir, root / "qv-r16-1000", 1000, r=16, targets=("q_proj", "v_proj"), seed=7, prefix="many"
         )
-        t5 = ours(model_dir, prompts, many, 5, a.new)
-        t1000 = ours(model_dir, prompts, many, None, a.new)
-        rows.append(("5 distinct adapters", t5, ""))
-        rows.append(("1000 distinct adapters", t1000, f"P4 drop = {100 * (1 - t1000 / t5):.1f}% (<= 3%)"))
+        names = list(many)
+        samples |= interleaved(
+            model_dir, many, {"distinct5": pick(names[:5], n), "distinct1000": pick(names, n)}, a
+        )
+    if not a.skip_peft:
+        samples["peft_qv"] = [peft_mixed(model_dir, workload_w(n, a.prompt_len), qv, a.new)]
+    t = {name: statistics.median(v) for name, v in samples.items()}
     touched, grown = resident_ratio(model_dir, root)
-    print(f"{'configuration':34} {'out tok/s':>10}  ratio")
-    for name, tps, note in rows:
-        print(f"{name:34} {tps:10.1f}  {note}")
+    rows = [
+        ("base model", "base", ""),
+        (f"{a.adapters} q,v r16 adapters", "qv", f"P1 = {t['qv'] / t['base']:.3f} (>= 0.97)"),
+        (f"{a.adapters} all-seven r16 adapters", "all7", f"P1b = {t['all7'] / t['base']:.3f} (>= 0.90)"),
+    ]
+    if "peft_qv" in t:
+        rows.append(
+            ("HF+PEFT mixed batch, q,v", "peft_qv", f"P2 = ours/PEFT = {t['qv'] / t['peft_qv']:.2f}x (>= 4x)")
+        )
+    if "distinct5" in t:
+        drop = 100 * (1 - t["distinct1000"] / t["distinct5"])
+        rows.append(("5 distinct adapters", "distinct5", ""))
+        rows.append(("1000 distinct adapters", "distinct1000", f"P4 drop = {drop:.1f}% (<= 3%)"))
+    print(f"{'configuration':34} {'out tok/s':>10}  {'passes':24} ratio")
+    for label, key, note in rows:
+        passes = " ".join(f"{x:.1f}" for x in samples[key])
+        print(f"{label:34} {t[key]:10.1f}  {passes:24} {note}")
     print(
         f"P6 resident bytes / tensor bytes, ranks 4-32 mixed: pools {touched:.3f}, RSS growth {grown:.3f} (<= 1.1)"
     )
     if a.json:
-        tok_s = {"base": base, "qv": t_qv, "all7": t_all}
-        if not a.skip_peft:
-            tok_s["peft_qv"] = t_peft
-        if not a.skip_p4:
-            tok_s |= {"distinct5": t5, "distinct1000": t1000}
-        out = {"threads": torch.get_num_threads(), "adapters": a.adapters, "tok_s": tok_s}
-        a.json.write_text(json.dumps(out | {"p6_pools": touched, "p6_rss": grown}, indent=1))
+        out = {"threads": torch.get_num_threads(), "adapters": a.adapters, "repeats": a.repeats, "tok_s": t}
+        out |= {"samples": samples, "p6_pools": touched, "p6_rss": grown}
+        a.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

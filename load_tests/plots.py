@@ -69,6 +69,9 @@ def plot_throughput_vs_adapters(runs: list[dict], path: Path, baseline: dict | N
         ax.axhline(baseline["output_tokens_per_s"], color="tab:blue", ls=":", label="base model tok/s")
         if baseline["e2e_ms"]["p99"] is not None:
             ax2.axhline(baseline["e2e_ms"]["p99"], color="tab:red", ls=":", label="base model p99")
+    # From zero: a few percent of run-to-run noise must not look like a trend.
+    ax.set_ylim(bottom=0)
+    ax2.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower left")

@@ -14,9 +14,10 @@ from app.errors import (
     QueueFull,
     UnknownAdapter,
 )
+from app.http_errors import HTTPFailure, error_payload, error_reply, replica_failed
 from app.model_spec import ModelSpec, Term, parse_model, resolved
+from app.replica.core import render_chat
 from app.router import openai_schema as oa
-from app.router.http_errors import HTTPFailure, error_payload, error_reply, replica_failed
 
 BASE = frozenset({"tiny", "/models/tiny"})
 
@@ -175,7 +176,7 @@ def test_sampling_and_prompts_are_shaped_for_the_kernel():
     )
     assert oa.messages_of(chat) == [{"role": "user", "content": "hi x"}]
     assert oa.sampling_of(chat) == {"max_tokens": 3, "top_k": 5, "ignore_eos": True}
-    assert oa.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+    assert render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ import pytest
 
 from app.app_config import AppConfig
 from app.catalog.redis_server import free_port, start_redis
-from app.router.openai_schema import render_chat
+from app.replica.core import render_chat
 from tests.fixtures.models import CORPUS
 from tests.fixtures.services import aws_env, make_bucket, s3_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter

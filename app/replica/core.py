@@ -18,11 +18,18 @@ from typing import Any
 
 from app.app_config import AppConfig
 from app.errors import AdapterUnavailable, LoraLandError
-from app.router.http_errors import error_payload
-from app.router.openai_schema import render_chat
+from app.http_errors import error_payload
 from app.settings import Settings
 
 log = logging.getLogger("loraland.replica")
+
+
+def render_chat(messages: list[dict[str, str]], tokenizer: Any = None) -> str:
+    """The prompt for a chat: the tokenizer's chat template when it has one, else a plain transcript."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
 
 
 class ReplicaCore:
@@ -185,7 +192,7 @@ class ReplicaCore:
         self._registered(record["ref"], record["name"])
         if record.get("pinned"):
             self.kernel.pin(record["name"])
-        log.info("loaded adapter %s from %s in %.2fs", record["ref"], record["uri"], time.monotonic() - t0)
+        log.info("loaded adapter %s from %s in %.3fs", record["ref"], record["uri"], time.monotonic() - t0)
 
     async def inspect(self, uri: str) -> dict:
         """inspect_adapter's reply as {"ok": summary} or an in-band error payload (for the ingress)."""

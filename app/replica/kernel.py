@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -184,8 +185,17 @@ class LLMKernel:
         return p
 
     def _read(self, source: str | Path, name: str, files: dict[str, str] | None = None) -> LoraWeights:
+        t0 = time.perf_counter()
         folder = self._materialize(source, files)
-        return read_adapter(folder, self.model_config, max_rank=self.max_lora_rank, name=name)
+        t1 = time.perf_counter()
+        weights = read_adapter(folder, self.model_config, max_rank=self.max_lora_rank, name=name)
+        log.info(
+            "adapter %s: fetched in %.1f ms, read and validated in %.1f ms",
+            name,
+            (t1 - t0) * 1e3,
+            (time.perf_counter() - t1) * 1e3,
+        )
+        return weights
 
     def load_adapter(
         self,

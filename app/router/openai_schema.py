@@ -171,14 +171,6 @@ def messages_of(req: ChatRequest) -> list[dict[str, str]]:
     return out
 
 
-def render_chat(messages: list[dict[str, str]], tokenizer: Any = None) -> str:
-    """The prompt for a chat: the tokenizer's chat template when it has one, else a plain transcript."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
-
-
 # ---- responses -------------------------------------------------------------------------------------------
 
 

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 from app.app_config import AppConfig
 from app.errors import CatalogUnavailable, UnknownAdapter
+from app.http_errors import HTTPFailure, replica_failed
 from app.model_spec import ModelSpec, parse_model, resolved
 from app.router import openai_schema as oa
 from app.router.auth import Caller
-from app.router.http_errors import HTTPFailure, replica_failed
 
 log = logging.getLogger("loraland.ingress")
 
