@@ -7,8 +7,8 @@ engine   the engine vs HF transformers `generate`, fp32 (load_tests.bench_engine
 lora     multi-LoRA ratios P1, P1b, P2, P4, P6, engine-direct (load_tests.bench_lora)
 serving  over HTTP: `loraland serve` (1 replica, all cores) with N rank-16 q,v adapters from a local adapter
          store; load_tests.bench_serving, 64 concurrent x 128 prompt x 64 output tokens, each request on a random
-         adapter, against the same server on the base model (the seed's experiment), swept over 1, 10, N adapters
-         (throughput_vs_adapters.png); with `lora`, HTTP / engine-direct (P7)
+         adapter, against the same server on the base model (the seed's experiment), swept over 10 and N adapters
+         (throughput_vs_adapters.png), two interleaved passes each; with `lora`, HTTP / engine-direct (P7)
 cold     adapters only in S3: extra TTFT and other requests' TPOT during cold loads (load_tests.bench_cold)
 vllm     the peer: vLLM's CPU build (its own venv, --vllm-venv; skipped when absent) over HTTP with the same
          workload and the same adapters, its OpenMP team bound to as many cores as our replica has threads
@@ -60,7 +60,7 @@ def serving(out: Path, n: int) -> None:
                 r = c.post("/v1/adapters", json={"name": f"qv{i}"})
                 if r.status_code not in (200, 201):
                     raise RuntimeError(f"registering qv{i}: {r.status_code} {r.text}")
-        sweep = ",".join(str(k) for k in sorted({1, 10, n}))
+        sweep = ",".join(str(k) for k in sorted({10, n}))
         _run(
             "load_tests.bench_serving",
             "--base-url",
@@ -75,6 +75,8 @@ def serving(out: Path, n: int) -> None:
             "--popularity",
             "uniform",
             "--baseline",
+            "--repeats",
+            "2",
             "--label",
             "ours",
             "--out",

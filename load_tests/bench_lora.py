@@ -49,7 +49,7 @@ def throughput(k, prompts, ids, new) -> float:
 
 def interleaved(model_dir, adapters: dict[str, Path], runs: dict, a) -> dict[str, list[float]]:
     """tok/s of each named run (name -> the adapter per request), all on one kernel holding `adapters`,
-    pass by pass (A B C, A B C, ...) so that the machine's drifts in speed hit every run alike. Each pass
+    pass by pass (A B C, B C A, C A B, ...) so that the machine's drifts in speed hit every run alike. Each pass
     has its own prompts; prefix caching is off, so no run is served from another's KV."""
     from loraland import LLMKernel
 
@@ -64,9 +64,11 @@ def interleaved(model_dir, adapters: dict[str, Path], runs: dict, a) -> dict[str
     ) as k:
         for name, path in adapters.items():
             k.load_adapter(name, path)
+        names = list(runs)
         for r in range(a.repeats):
             prompts = workload_w(a.requests, a.prompt_len, seed=r)
-            for name, ids in runs.items():
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # each run leads a pass in turn
+                ids = runs[name]
                 samples[name].append(throughput(k, prompts, ids, a.new))
                 print(f"  pass {r + 1}: {name:14} {samples[name][-1]:7.1f} tok/s", flush=True)
     return samples

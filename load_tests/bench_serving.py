@@ -139,6 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it is measured: for servers that compile per shape (vLLM CPU) or to measure warm adapters "
         "(default %(default)s)",
     )
+    lo.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measured passes of each run, interleaved (base, A, B, base, A, B, ...) so that a drift in the "
+        "machine's speed hits every run alike; a run's numbers pool its passes' requests and wall times "
+        "(default %(default)s)",
+    )
     o = ap.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     o.add_argument(
@@ -161,10 +169,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(e))
     if (
         a.num_requests < 1
+        or a.repeats < 1
         or (a.concurrency is not None and a.concurrency < 1)
         or (a.rate is not None and a.rate <= 0)
     ):
-        ap.error("--num-requests and --concurrency must be at least 1 and --rate positive")
+        ap.error("--num-requests, --repeats and --concurrency must be at least 1 and --rate positive")
     if a.rate is None and a.concurrency is None:
         a.concurrency = 64
     return a
@@ -190,9 +199,7 @@ def _sweep(a: argparse.Namespace) -> list[tuple[int, list[str]]]:
     return [(n, [f"{a.adapter_prefix}{i}" for i in range(n)]) for n in counts]
 
 
-async def _one_run(
-    a, cfg: cl.ClientConfig, label: str, specs: list[RequestSpec], n_adapters: int, pop: str
-) -> dict:
+async def _one_pass(a, cfg: cl.ClientConfig, label: str, specs: list[RequestSpec]) -> tuple[list, float]:
     from tqdm import tqdm
 
     bar = tqdm(total=len(specs), desc=label, unit="req", file=sys.stderr, disable=a.no_progress, leave=True)
@@ -206,14 +213,21 @@ async def _one_run(
             bar.set_postfix(errors=failed)
 
     try:
-        records, duration = await cl.run_requests(cfg, specs, a.concurrency, done)
+        return await cl.run_requests(cfg, specs, a.concurrency, done)
     finally:
         bar.close()
+
+
+def _run_result(label: str, pop: str, n_adapters: int, passes: list[tuple[list, float]]) -> dict:
+    """One run's numbers from its measured passes: requests pooled, wall times summed."""
+    records = [r for recs, _ in passes for r in recs]
     return {
         "label": label,
         "popularity": pop,
         "num_adapters": n_adapters,
-        "summary": stats.summarize(records, duration),
+        "passes": len(passes),
+        "pass_tokens_per_s": [stats.summarize(recs, d)["output_tokens_per_s"] for recs, d in passes],
+        "summary": stats.summarize(records, sum(d for _, d in passes)),
         "per_adapter": stats.per_adapter(records),
         "requests": [report.record_json(r) for r in records],
     }
@@ -263,27 +277,25 @@ async def run(a: argparse.Namespace) -> dict:
     prefix = f"{a.label} " if a.label else ""
     plan = [(0, [], parse_popularity("base"))] if a.baseline and a.pop.kind != "base" else []
     plan += [(n, names, a.pop) for n, names in a.sweep]
-    runs: list[dict] = []
-    for n, names, pop in plan:
-        label = prefix + ("base model" if pop.kind == "base" else f"{n} adapters {pop}")
+    labels = [prefix + ("base model" if pop.kind == "base" else f"{n} adapters {pop}") for n, _, pop in plan]
+    for n, _, pop in plan:
         if pop.kind == "distinct" and a.num_requests > n:
             print(
                 f"bench_serving: note: {a.num_requests} requests over {n} adapters: distinct repeats adapters",
                 file=sys.stderr,
             )
-
-        # Every pass gets its own prompts (same lengths, same adapter choices): a server's prefix cache
-        # must not turn a later run into cache hits on an earlier one's prompts.
+    # Every pass gets its own prompts (same lengths, same adapter choices): a server's prefix cache must not
+    # turn a later pass into cache hits on an earlier one's prompts.
+    passes: list[list[tuple[list, float]]] = [[] for _ in plan]
+    for i, ((_, names, pop), label) in enumerate(zip(plan, labels)):
         for k in range(a.warmup_runs):
-            await _one_run(
-                a,
-                cfg,
-                f"{label} (warm-up {k + 1})",
-                _specs(a, names, pop, f"-warm{len(runs)}-{k}"),
-                n,
-                str(pop),
-            )
-        runs.append(await _one_run(a, cfg, label, _specs(a, names, pop, f"-run{len(runs)}"), n, str(pop)))
+            await _one_pass(a, cfg, f"{label} (warm-up {k + 1})", _specs(a, names, pop, f"-warm{i}-{k}"))
+    for r in range(a.repeats):
+        for i, ((_, names, pop), label) in enumerate(zip(plan, labels)):
+            tag = f" (pass {r + 1}/{a.repeats})" if a.repeats > 1 else ""
+            salt = f"-run{i}" if r == 0 else f"-run{i}-pass{r}"
+            passes[i].append(await _one_pass(a, cfg, label + tag, _specs(a, names, pop, salt)))
+    runs = [_run_result(label, str(pop), n, ps) for (n, _, pop), label, ps in zip(plan, labels, passes)]
     base = runs[0] if a.baseline and a.pop.kind != "base" else None
     config = {
         k: (str(v) if isinstance(v, Path) else v)

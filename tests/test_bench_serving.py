@@ -420,7 +420,16 @@ def test_sweep_json_schema_and_plots(server, tmp_path, capsys):
     for c in res["comparisons"]:
         assert set(c) >= {"output_tokens_per_s_change_pct", "e2e_p99_change_ms", "ttft_p99_change_ms"}
     for run in res["runs"]:
-        assert set(run) == {"label", "popularity", "num_adapters", "summary", "per_adapter", "requests"}
+        assert set(run) == {
+            "label",
+            "popularity",
+            "num_adapters",
+            "passes",
+            "pass_tokens_per_s",
+            "summary",
+            "per_adapter",
+            "requests",
+        }
         assert set(run["summary"]) >= {
             "requests_per_s",
             "output_tokens_per_s",
@@ -487,3 +496,23 @@ def test_bad_arguments_exit_2():
         assert e.value.code == 2
     a = bench_serving.parse_args(["--model", "m", "--rate", "5"])
     assert a.concurrency is None and a.pop.kind == "base" and not math.isnan(a.rate)
+
+
+def test_repeats_interleave_passes_and_pool_them(server, tmp_path):
+    n0 = len(server.bodies)
+    rc, res = bench(
+        server, tmp_path, "--adapter-prefix", "a", "--num-adapters", "2", "--baseline", "--repeats", "2",
+        "--num-requests", "4", "--concurrency", "4", "--output-len", "3",
+    )  # fmt: skip
+    assert rc == 0 and [r["passes"] for r in res["runs"]] == [2, 2]
+    for run in res["runs"]:
+        s = run["summary"]
+        assert s["requests"] == 8 and s["completed"] == 8 and len(run["requests"]) == 8
+        # pooled: all passes' tokens over the sum of their wall times, so between the passes' own rates
+        rates = run["pass_tokens_per_s"]
+        assert len(rates) == 2 and min(rates) - 1e-6 <= s["output_tokens_per_s"] <= max(rates) + 1e-6
+        assert s["output_tokens_per_s"] == pytest.approx(8 * 3 / s["duration_s"])
+    # interleaved (base, adapters, base, adapters), and each pass drew its own prompts
+    bodies = server.bodies[n0:]
+    assert [b["model"] == "base" for b in bodies[::4]] == [True, False, True, False]
+    assert len({str(b["prompt"]) for b in bodies}) == 16

@@ -257,21 +257,27 @@ class ReplicaCore:
         remaining = len(tasks)
         try:
             while remaining:
-                index, d, exc = await queue.get()
-                if exc is not None:
-                    raise exc
-                if d.finish_reason == "abort":
-                    kind = AdapterUnavailable if d.error_kind == "adapter" else RuntimeError
-                    raise kind(d.error or "the request was aborted")
-                if d.finish_reason is not None:
-                    remaining -= 1
-                yield {
-                    "index": index,
-                    "text": d.text,
-                    "finish_reason": d.finish_reason,
-                    "prompt_tokens": d.prompt_tokens,
-                    "completion_tokens": d.completion_tokens,
-                }
+                got = [await queue.get()]
+                while not queue.empty():
+                    got.append(queue.get_nowait())
+                # Whatever piled up while the consumer was busy goes out as one item per choice: every item
+                # costs a Ray message and an SSE event downstream, so a lagging stream catches up in one.
+                items: dict[int, dict] = {}
+                for index, d, exc in got:
+                    if exc is not None:
+                        raise exc
+                    if d.finish_reason == "abort":
+                        kind = AdapterUnavailable if d.error_kind == "adapter" else RuntimeError
+                        raise kind(d.error or "the request was aborted")
+                    if d.finish_reason is not None:
+                        remaining -= 1
+                    item = items.setdefault(index, {"index": index, "text": ""})
+                    item["text"] += d.text
+                    item["finish_reason"] = d.finish_reason
+                    item["prompt_tokens"] = d.prompt_tokens
+                    item["completion_tokens"] = d.completion_tokens
+                for item in items.values():
+                    yield item
         finally:
             for t in tasks:  # a client that went away aborts its sequences in the kernel
                 t.cancel()

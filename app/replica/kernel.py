@@ -185,15 +185,18 @@ class LLMKernel:
         return p
 
     def _read(self, source: str | Path, name: str, files: dict[str, str] | None = None) -> LoraWeights:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         folder = self._materialize(source, files)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         weights = read_adapter(folder, self.model_config, max_rank=self.max_lora_rank, name=name)
+        # Wall and this thread's CPU time: a wide gap means the load waited (network, disk, CPU, GIL).
         log.info(
-            "adapter %s: fetched in %.1f ms, read and validated in %.1f ms",
+            "adapter %s: fetched in %.1f ms (%.1f ms CPU), read and validated in %.1f ms (%.1f ms CPU)",
             name,
             (t1 - t0) * 1e3,
+            (c1 - c0) * 1e3,
             (time.perf_counter() - t1) * 1e3,
+            (time.thread_time() - c1) * 1e3,
         )
         return weights
 

@@ -1,0 +1,60 @@
+"""The replica's output stream: deltas that pile up while the consumer is busy leave as one item per choice."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.app_config import AppConfig
+from app.replica.core import ReplicaCore
+from app.replica.engine import Delta
+
+
+class BurstKernel:
+    """generate() yields its deltas without awaiting in between, as an engine step that finished several
+    tokens before the event loop ran would."""
+
+    def __init__(self, words: list[str], fail_after: int | None = None):
+        self.words, self.fail_after = words, fail_after
+
+    async def generate(self, prompt, adapter, **sampling):
+        for i, w in enumerate(self.words):
+            if self.fail_after is not None and i == self.fail_after:
+                yield Delta("", [], "abort", 3, i, error="adapter x could not be loaded", error_kind="adapter")
+                return
+            last = i == len(self.words) - 1
+            yield Delta(w, [i], "length" if last else None, 3, i + 1)
+
+    def close(self) -> None:
+        pass
+
+
+def core(kernel) -> ReplicaCore:
+    return ReplicaCore(AppConfig(model="m", redis_url=None), "r1", kernel=kernel, catalog=None)
+
+
+async def collect(c: ReplicaCore, n: int = 1) -> list[dict]:
+    return [item async for item in c._fan_in(["p"], None, n, {})]
+
+
+def test_piled_up_deltas_leave_as_one_item_per_choice(monkeypatch):
+    monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
+    items = asyncio.run(collect(core(BurstKernel([" a", " b", " c"])), n=2))
+    # Both choices ran to the end before the consumer first ran: one item each, text and counts whole.
+    assert sorted(i["index"] for i in items) == [0, 1]
+    for it in items:
+        assert (it["text"], it["finish_reason"], it["completion_tokens"], it["prompt_tokens"]) == (
+            " a b c",
+            "length",
+            3,
+            3,
+        )
+
+
+def test_an_abort_in_a_burst_is_still_raised(monkeypatch):
+    from app.errors import AdapterUnavailable
+
+    monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
+    with pytest.raises(AdapterUnavailable, match="could not be loaded"):
+        asyncio.run(collect(core(BurstKernel([" a", " b"], fail_after=1))))
