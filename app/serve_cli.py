@@ -59,6 +59,12 @@ def register_serve(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-adapters", type=int, default=None, help="adapter slots per replica")
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step (default 2048)",
+    )
     p.add_argument("--dtype", default=None)
     p.set_defaults(func=run_serve)
     return p
@@ -71,6 +77,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> AppConfig:
             "max_adapters": args.max_adapters,
             "max_batch_size": args.max_batch_size,
             "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
             "dtype": args.dtype,
         }.items()
         if v is not None

@@ -53,7 +53,9 @@ def serving(out: Path, n: int) -> None:
 
     model_dir, store = _bench_assets(n)
     env = {"LORALAND_CACHE_DIR": str(out / f"cache-{os.getpid()}")}
+    # The same engine settings as the in-process stages (bench_engine, bench_lora), so P7 compares like with like.
     args = ["--adapter-store", str(store), "--max-adapters", "64", "--max-batch-size", "64"]
+    args += ["--max-num-batched-tokens", "4096"]
     with loraland_serve(model_dir, out / "serve.log", *args, env=env) as url:
         with httpx.Client(base_url=url, timeout=120) as c:
             for i in range(n):

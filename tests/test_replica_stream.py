@@ -21,7 +21,9 @@ class BurstKernel:
     async def generate(self, prompt, adapter, **sampling):
         for i, w in enumerate(self.words):
             if self.fail_after is not None and i == self.fail_after:
-                yield Delta("", [], "abort", 3, i, error="adapter x could not be loaded", error_kind="adapter")
+                yield Delta(
+                    "", [], "abort", 3, i, error="adapter x could not be loaded", error_kind="adapter"
+                )
                 return
             last = i == len(self.words) - 1
             yield Delta(w, [i], "length" if last else None, 3, i + 1)

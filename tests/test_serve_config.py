@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,7 @@ def test_loraland_serve_arguments():
             "redis://127.0.0.1:1/0",
         ]
         + ["--adapter-store", "s3://bucket/prefix", "--no-auth", "--replica-gpus", "0", "--max-adapters", "8"]
+        + ["--max-num-batched-tokens", "4096"]
     )
     assert args.func.__name__ == "run_serve" and args.host == "127.0.0.1" and args.port == 8123
     cfg = config_from_args(args, args.serve_redis)
@@ -174,4 +176,6 @@ def test_loraland_serve_arguments():
         "s3://bucket/prefix",
         True,
     )
-    assert cfg.kernel == {"max_adapters": 8} and cfg.replica_num_gpus == 0
+    assert cfg.kernel == {"max_adapters": 8, "max_num_batched_tokens": 4096} and cfg.replica_num_gpus == 0
+    # one replica on this machine: it reserves every core, and torch uses as many threads
+    assert cfg.replica_num_cpus == max(1.0, float((os.cpu_count() or 1) // 2)) and cfg.threads >= 1
