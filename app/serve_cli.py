@@ -63,7 +63,7 @@ def register_serve(subparsers) -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="token budget of one engine step (default 2048)",
+        help="token budget of one engine step (default 4096)",
     )
     p.add_argument("--dtype", default=None)
     p.set_defaults(func=run_serve)

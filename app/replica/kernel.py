@@ -132,7 +132,7 @@ class LLMKernel:
                 num_kv_blocks=num_kv_blocks,
                 block_size=block_size,
                 max_batch_size=max_batch_size,
-                max_num_batched_tokens=max_num_batched_tokens or 2048,
+                max_num_batched_tokens=max_num_batched_tokens or EngineConfig.max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching,
                 max_waiting=max_waiting or 4096,
             ),
