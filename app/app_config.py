@@ -60,18 +60,17 @@ class AppConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model: required, a Hugging Face model folder or Hub id")
-        for name in ("replicas", "ingress_replicas", "max_ongoing_requests", "max_queued_requests"):
+        optional = ("replica_threads",) if self.replica_threads is not None else ()
+        for name in (
+            "replicas",
+            "ingress_replicas",
+            "max_ongoing_requests",
+            "max_queued_requests",
+            *optional,
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if self.replica_threads is not None and (
-            not isinstance(self.replica_threads, int)
-            or isinstance(self.replica_threads, bool)
-            or self.replica_threads < 1
-        ):
-            raise ValueError(
-                f"replica_threads: must be a positive integer or null, got {self.replica_threads!r}"
-            )
         for name in ("replica_num_cpus", "replica_num_gpus", "ingress_num_cpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")

@@ -63,20 +63,27 @@ class HF:
             self.model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
 
     def run(self, prompts, new_tokens) -> float:
-        ids = torch.tensor(prompts)
-        with torch.no_grad():
-            t = time.perf_counter()
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            dt = time.perf_counter() - t
-        return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
+        return generate_tok_s(self.model, prompts, new_tokens)
+
+
+def generate_tok_s(model, prompts, new_tokens: int, **kw) -> float:
+    """Output tok/s of one `generate` over the whole batch: greedy, exactly new_tokens each (kw: e.g. PEFT's
+    adapter_names)."""
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        t = time.perf_counter()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **kw,
+        )
+        dt = time.perf_counter() - t
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from load_tests.bench_adapters import build_bench_adapters as _build
+from load_tests.bench_engine import generate_tok_s
 from load_tests.models import build_bench_model, workload_w
 
 CACHE = Path.home() / ".cache" / "loraland"
@@ -79,33 +80,18 @@ def pick(names: list[str], n: int, seed: int = 0) -> list[str]:
     return [rng.choice(names) for _ in range(n)]
 
 
-def peft_mixed(model_dir, prompts, adapters: dict[str, Path], new: int, seed=0) -> float:
+def peft_mixed(model_dir, prompts, adapters: dict[str, Path], new: int) -> float:
+    """HF+PEFT with every adapter loaded, one mixed batch (`adapter_names`), the same picks as ours."""
     import transformers
     from peft import PeftModel
 
-    rng = random.Random(seed)
-    ids = [rng.choice(list(adapters)) for _ in prompts]
+    ids = pick(list(adapters), len(prompts))
     used = sorted(set(ids))
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapters[used[0]], adapter_name=used[0])
     for name in used[1:]:
         model.load_adapter(adapters[name], adapter_name=name)
-    model.eval()
-    x = torch.tensor(prompts)
-    with torch.no_grad():
-        t = time.perf_counter()
-        out = model.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            adapter_names=ids,
-        )
-        dt = time.perf_counter() - t
-    return (out.shape[1] - x.shape[1]) * x.shape[0] / dt
+    return generate_tok_s(model.eval(), prompts, new, adapter_names=ids)
 
 
 def resident_ratio(model_dir, root: Path) -> tuple[float, float]:
