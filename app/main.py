@@ -2,14 +2,14 @@
 
 serve run app.main:app_builder model=/path/to/model replicas=2 redis_url=redis://127.0.0.1:6379
 serve deploy serve_config.yaml        # import_path: app.main:app_builder, args: {...}
-loraland serve --model MODEL ...      # app/serve_cli.py: local Ray + embedded Redis
+loraland serve --model MODEL ...      # app/cli/serve.py: local Ray + embedded Redis
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from app.app_config import AppConfig, coerce_args
+from app.config.app_config import AppConfig, coerce_args
 
 
 def build_app(cfg: AppConfig):

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from app.adapter_format import adapter_summary, merge_adapters, read_adapter
+from app.config.model_config import ModelConfig
 from app.errors import InvalidAdapter, InvalidRequest
-from app.model_config import ModelConfig
+from app.replica.lora.peft_format import adapter_summary, merge_adapters, read_adapter
 from tests.fixtures.adapters import (
     ADAPTER_SPECS,
     CORRUPT_KINDS,

@@ -15,7 +15,7 @@ import pytest
 from app.catalog.redis_server import free_port
 from app.catalog.sources import AdapterHub, hash_folder
 from app.catalog.store import Catalog
-from app.settings import Settings
+from app.config.settings import Settings
 from tests.fixtures.services import (  # noqa: F401  (fixtures, until conftest registers the plugin)
     aws_env,
     make_bucket,

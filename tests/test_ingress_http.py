@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from app.app_config import AppConfig
 from app.catalog.store import Catalog
+from app.config.app_config import AppConfig
 from app.replica.core import render_chat
 from app.replica.deployment import LocalBackend, ReplicaCore
 from app.router.auth import Authenticator
@@ -95,7 +95,7 @@ def stack(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
 
     s.registered = s.run(register)
     for name in ("mix1", "mix2"):  # registered directly, as `loraland adapters register` does
-        from app.adapter_format import adapter_summary
+        from app.replica.lora.peft_format import adapter_summary
 
         info = adapter_summary(s.folders[name])
         s.catalog.register(
@@ -299,7 +299,7 @@ def test_auth_errors(stack):
 
 def test_unreachable_source_is_503_and_delete_unloads(stack, tmp_path):
     folder = write_tiny_adapter(tmp_path / "gone", seed=7)
-    from app.adapter_format import adapter_summary
+    from app.replica.lora.peft_format import adapter_summary
 
     info = adapter_summary(folder)
     stack.catalog.register(

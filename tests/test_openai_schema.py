@@ -14,10 +14,10 @@ from app.errors import (
     QueueFull,
     UnknownAdapter,
 )
-from app.http_errors import HTTPFailure, error_payload, error_reply, replica_failed
-from app.model_spec import ModelSpec, Term, parse_model, resolved
+from app.names import ModelSpec, Term, parse_model, resolved
 from app.replica.core import render_chat
 from app.router import openai_schema as oa
+from app.router.http_errors import HTTPFailure, error_payload, error_reply, replica_failed
 
 BASE = frozenset({"tiny", "/models/tiny"})
 

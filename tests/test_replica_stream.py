@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.app_config import AppConfig
+from app.config.app_config import AppConfig
 from app.replica.core import ReplicaCore
 from app.replica.engine import Delta
 

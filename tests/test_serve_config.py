@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.app_config import AppConfig, coerce_args
+from app.config.app_config import AppConfig, coerce_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def test_app_config_from_serve_run_strings():
 
 
 def test_loraland_serve_arguments():
-    from app.serve_cli import config_from_args, register_serve
+    from app.cli.serve import config_from_args, register_serve
 
     parser = argparse.ArgumentParser(prog="loraland")
     parser.add_argument("--redis", default=None)

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from app.app_config import AppConfig
 from app.catalog.redis_server import free_port, start_redis
+from app.config.app_config import AppConfig
 from app.replica.core import render_chat
 from tests.fixtures.models import CORPUS
 from tests.fixtures.services import aws_env, make_bucket, s3_server  # noqa: F401

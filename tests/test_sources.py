@@ -18,8 +18,8 @@ from app.catalog import s3 as s3mod
 from app.catalog.disk_cache import DiskCache
 from app.catalog.sources import AdapterHub, hash_folder
 from app.catalog.store import Catalog
+from app.config.settings import Settings
 from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest, UnknownAdapter
-from app.settings import Settings
 from tests.fixtures.services import (  # noqa: F401  (fixtures, until conftest registers the plugin)
     aws_env,
     make_bucket,
@@ -260,7 +260,7 @@ _HF_SCRIPT = """
 import json, sys
 from app.catalog.sources import AdapterHub, hash_folder
 from app.errors import AdapterUnavailable
-from app.settings import Settings
+from app.config.settings import Settings
 hub = AdapterHub(settings=Settings.from_env())
 out = {}
 for label, call in [

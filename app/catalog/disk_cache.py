@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -20,14 +19,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 _STALE_S = 3600.0  # staging folders older than this belong to a dead process
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class DiskCache:

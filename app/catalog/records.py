@@ -9,8 +9,9 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from app.catalog.names import check_name, check_tenant, safe_relpath
 from app.errors import InvalidRequest
+from app.files import safe_relpath
+from app.names import check_name, check_tenant
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.catalog.names import safe_relpath
 from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest
+from app.files import safe_relpath
 
 MULTIPART_THRESHOLD = 64 << 20  # bytes; S3 needs parts of at least 5 MiB
 MULTIPART_CHUNK = 64 << 20

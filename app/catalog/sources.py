@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from app.catalog import s3
-from app.catalog.disk_cache import DiskCache, sha256_file
-from app.catalog.names import check_name, parse_ref, safe_relpath
+from app.catalog.disk_cache import DiskCache
 from app.catalog.records import AdapterRecord, manifest_sha256
+from app.config.settings import Settings
 from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest, UnknownAdapter
-from app.settings import Settings
+from app.files import safe_relpath, sha256_file
+from app.names import check_name, parse_ref
 
 # The files that make up a published adapter; anything else (pickles, checkpoints, logs) is not fetched.
 ADAPTER_PATTERNS = ("*.json", "*.safetensors", "*.md", "*.txt")

@@ -18,10 +18,10 @@ import redis
 
 from app.catalog import lua
 from app.catalog.conn import connect, guard, redact_url
-from app.catalog.names import check_name, check_tenant, parse_ref
 from app.catalog.records import AdapterRecord, ReplicaInfo, record_body
 from app.catalog.replicas import ReplicaDirectory
 from app.errors import InvalidRequest, UnknownAdapter
+from app.names import check_name, check_tenant, parse_ref
 
 __all__ = ["AdapterRecord", "Catalog", "ReplicaInfo", "hash_api_key", "redact_url"]
 

@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.config.model_config import LORA_MODULES
+from app.config.settings import Settings
 from app.demo.train import ADAPTER_TASKS, DataSpec, TrainSpec
-from app.model_config import LORA_MODULES
-from app.settings import Settings
+from app.files import sha256_file
 
 FORMAT = 1
 BASE_NAME = "loraland-demo-base"
@@ -142,10 +143,6 @@ def build_tokenizer(out_dir: Path | None = None):
     return fast
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _manifest(out: Path, spec: DemoSpec) -> dict:
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name not in ("manifest.json", REPORT))
     return {
@@ -153,7 +150,7 @@ def _manifest(out: Path, spec: DemoSpec) -> dict:
         "spec_digest": spec.digest(),
         "base": "base",
         "adapters": {t: {"path": f"adapters/{t}", "imitates": DESCRIPTIONS[t]} for t in ADAPTER_TASKS},
-        "files": {p.relative_to(out).as_posix(): _sha256(p) for p in files},
+        "files": {p.relative_to(out).as_posix(): sha256_file(p) for p in files},
     }
 
 
@@ -171,7 +168,7 @@ def check_assets(out: Path, spec: DemoSpec | None = None) -> str | None:
         return f"{out} was built from another spec (digest {m.get('spec_digest')}, this code wants {spec.digest()})"
     for rel, digest in m.get("files", {}).items():
         f = Path(out) / rel
-        if not f.is_file() or _sha256(f) != digest:
+        if not f.is_file() or sha256_file(f) != digest:
             return f"{f} is missing or changed since the build"
     return None
 

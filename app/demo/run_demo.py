@@ -112,8 +112,8 @@ def _start_stack(stack: ExitStack, assets: Path, redis_url: str | None, host: st
     import ray
     from ray import serve
 
-    from app.app_config import AppConfig
-    from app.serve_cli import _env_for_workers, deploy
+    from app.cli.serve import _env_for_workers, deploy
+    from app.config.app_config import AppConfig
 
     if redis_url is None:
         from app.catalog.redis_server import start_redis
@@ -180,7 +180,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.demo.run_demo demo ...`: the same commands without app/cli.py."""
-    from app.demo import register_demo
+    from app.cli.demo import register_demo
 
     parser = argparse.ArgumentParser(prog="loraland")
     parser.add_argument(

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from app.app_config import AppConfig
+from app.config.app_config import AppConfig
+from app.config.settings import Settings
 from app.errors import AdapterUnavailable, LoraLandError
-from app.http_errors import error_payload
-from app.settings import Settings
+from app.router.http_errors import error_payload
 
 log = logging.getLogger("loraland.replica")
 
@@ -203,7 +203,7 @@ class ReplicaCore:
 
     async def inspect_adapter(self, uri: str) -> dict:
         """Fetch an adapter named over HTTP (local roots restricted) and validate it against this base model."""
-        from app.adapter_format import adapter_summary, read_adapter
+        from app.replica.lora.peft_format import adapter_summary, read_adapter
 
         path = await asyncio.to_thread(self.hub.fetch, uri, untrusted=True)
         await asyncio.to_thread(

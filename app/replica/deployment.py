@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.app_config import AppConfig
+from app.config.app_config import AppConfig
 from app.replica.core import ReplicaCore
 
 __all__ = ["LocalBackend", "ReplicaCore", "make_replica_deployment"]

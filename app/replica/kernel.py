@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from app.adapter_format import LoraWeights, merge_adapters, read_adapter
+from app.config.model_config import ModelConfig
 from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest, UnknownAdapter
-from app.model_config import ModelConfig
-from app.model_spec import ModelSpec, Term, parse_model
-from app.replica.adapters import AdapterManager
+from app.names import ModelSpec, Term, parse_model
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.kv_cache import KVCache
+from app.replica.lora.manager import AdapterManager
+from app.replica.lora.peft_format import LoraWeights, merge_adapters, read_adapter
 from app.replica.model import Model, resolve_dtype
 from app.replica.sampling import SamplingParams
 
@@ -211,7 +211,7 @@ class LLMKernel:
         """Parse and validate an adapter and make it servable under `name` (a new version if it exists).
         `files` (filename -> sha256) makes the hub verify what it fetches, now and on every re-read.
         Blocks the caller only; requests already running keep decoding."""
-        from app.catalog.names import check_name
+        from app.names import check_name
 
         check_name(name)
         weights = self._read(source, name, files)

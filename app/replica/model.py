@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from app.model_config import ModelConfig
+from app.config.model_config import ModelConfig
 from app.replica.kv_cache import KVCache
 
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.http_errors import HTTPFailure
+from app.router.http_errors import HTTPFailure
 
 log = logging.getLogger("loraland.auth")
 

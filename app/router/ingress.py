@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: true = server-sent events), GET /v1/models;
 admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/placement; GET /healthz.
-Every error is OpenAI-shaped, with its status chosen in app/http_errors.py.
+Every error is OpenAI-shaped, with its status chosen in app/router/http_errors.py.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.app_config import AppConfig
-from app.http_errors import error_reply
+from app.config.app_config import AppConfig
+from app.config.settings import Settings
 from app.router import openai_schema as oa
 from app.router.auth import Authenticator
+from app.router.http_errors import error_reply
 from app.router.service import CatalogProxy, IngressService, _cancel, _merge, _raise_if_error
-from app.settings import Settings
 
 log = logging.getLogger("loraland.ingress")
 

@@ -14,6 +14,7 @@ import time
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from app.names import parse_model
 from app.router.placement import PlacementPolicy, rank_replicas, view_from_stats
 
 logger = logging.getLogger("ray.serve")
@@ -24,13 +25,7 @@ ASSIGNMENT_TTL_S = 30.0
 
 def adapters_of(model_id: str) -> list[str]:
     """The adapter refs a multiplexed model id needs: 'a@1|b@2' and 'a@1*0.5+b@2*0.5' need both."""
-    out: list[str] = []
-    for stage in model_id.split("|"):
-        for term in stage.split("+"):
-            ref = term.rpartition("*")[0] if "*" in term else term
-            if ref.strip():
-                out.append(ref.strip())
-    return out
+    return [t.ref for t in parse_model(model_id).terms()] if model_id else []
 
 
 class AdapterAffinityRouter(RequestRouter):

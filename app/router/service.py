@@ -14,12 +14,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from app.app_config import AppConfig
+from app.config.app_config import AppConfig
 from app.errors import CatalogUnavailable, UnknownAdapter
-from app.http_errors import HTTPFailure, replica_failed
-from app.model_spec import ModelSpec, parse_model, resolved
+from app.names import ModelSpec, parse_model, resolved
 from app.router import openai_schema as oa
 from app.router.auth import Caller
+from app.router.http_errors import HTTPFailure, replica_failed
 
 log = logging.getLogger("loraland.ingress")
 
@@ -239,7 +239,7 @@ class IngressService:
             raise oa.invalid("tenant", "must be a tenant name or null")
         if not isinstance(public, bool):
             raise oa.invalid("public", "must be true or false")
-        from app.catalog.names import check_name
+        from app.names import check_name
 
         check_name(name)
         reply = await self.backend.call("inspect_adapter", source)

@@ -11,7 +11,7 @@ import threading
 from contextlib import ExitStack
 from pathlib import Path
 
-from app.app_config import AppConfig
+from app.config.app_config import AppConfig
 
 log = logging.getLogger("loraland.serve")
 
@@ -186,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m app.serve_cli serve --model ...`, for when app/cli.py does not list this module."""
+    """`python -m app.cli.serve serve --model ...`, for when app/cli.py does not list this module."""
     parser = argparse.ArgumentParser(prog="loraland")
     parser.add_argument("--redis", default=None, help=argparse.SUPPRESS)
     register_serve(parser.add_subparsers(dest="command", required=True))

@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.catalog.cli_output import catalog_from_args, human_size, print_json, table
+from app.cli.output import catalog_from_args, human_size, print_json, table
 from app.errors import InvalidAdapter, InvalidRequest, UnknownAdapter
 
 
 def _model_config(model: str) -> Any:
-    from app.model_config import ModelConfig
+    from app.config.model_config import ModelConfig
 
     if Path(model).expanduser().is_dir():
         return ModelConfig.from_folder(Path(model).expanduser())
@@ -30,7 +30,7 @@ def _model_config(model: str) -> Any:
 
 def _inspect(folder: Path, model: str | None, max_rank: int) -> tuple[dict, dict]:
     """(adapter_summary, base model identity) of an adapter folder, validated against `model` when given."""
-    from app.adapter_format import adapter_summary, read_adapter
+    from app.replica.lora.peft_format import adapter_summary, read_adapter
 
     summary = adapter_summary(folder)
     if summary["rank"] > max_rank:
@@ -73,7 +73,7 @@ def _register(
 
 
 def _check_owner(args: argparse.Namespace, catalog: Any) -> None:
-    from app.catalog.names import check_name, check_tenant
+    from app.names import check_name, check_tenant
 
     check_name(args.name)
     if args.tenant is not None:
@@ -170,7 +170,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from app.catalog.names import parse_ref
+    from app.names import parse_ref
 
     catalog = catalog_from_args(args)
     name, version = parse_ref(args.ref)

@@ -1,8 +1,8 @@
-"""The OpenAI `model` field: the base model, an adapter, `name@version`, a chain `a|b`, a merge `a*0.7+b*0.3`.
+"""The one grammar of names: adapter names and refs (`name`, `org/name`, `name@3`), tenant names, and the OpenAI
+`model` field built from them (the base model, an adapter, a chain `a|b`, a merge `a*0.7+b*0.3`).
 
 Parsing is pure (no catalog): the ingress parses first, then resolves every term through the catalog, so a
-typo is a 400 naming the field and a missing or foreign adapter is a 404 naming the term.
-"""
+typo is a 400 naming the field and a missing or foreign adapter is a 404 naming the term."""
 
 from __future__ import annotations
 
@@ -12,8 +12,46 @@ from dataclasses import dataclass
 
 from app.errors import InvalidRequest
 
-# Mirrors app/catalog/names.py's ADAPTER_NAME_RE (optionally "org/name"); kept here so parsing needs no catalog.
-_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(?:/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?"
+_SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+ADAPTER_NAME_RE = re.compile(rf"^{_SEGMENT}(?:/{_SEGMENT})?$")
+TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NAME_RULE = (
+    "adapter names are 1-128 characters from [A-Za-z0-9._-], starting with a letter or digit, "
+    "optionally prefixed once by 'org/' (same rule), e.g. 'acme/sql-expert'"
+)
+
+
+def check_name(name: str) -> str:
+    """Return `name` if it is a valid adapter name; raise InvalidRequest naming the rule otherwise."""
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+        raise InvalidRequest(f"invalid adapter name {name!r}: {_NAME_RULE}")
+    return name
+
+
+def check_tenant(name: str) -> str:
+    if not isinstance(name, str) or not TENANT_NAME_RE.match(name):
+        raise InvalidRequest(
+            f"invalid tenant name {name!r}: 1-64 characters from [A-Za-z0-9._-], starting with a letter or digit"
+        )
+    return name
+
+
+def parse_ref(ref: str) -> tuple[str, int | None]:
+    """'name' -> (name, None) meaning the newest version; 'name@3' -> (name, 3)."""
+    if not isinstance(ref, str):
+        raise InvalidRequest(f"adapter reference must be a string, got {type(ref).__name__}")
+    name, sep, version = ref.partition("@")
+    check_name(name)
+    if not sep:
+        return name, None
+    if not version.isdigit() or int(version) < 1 or version != str(int(version)):
+        raise InvalidRequest(
+            f"invalid version in {ref!r}: use name@N with N a positive integer, e.g. {name}@1"
+        )
+    return name, int(version)
+
+
+_NAME = rf"{_SEGMENT}(?:/{_SEGMENT})?"
 _REF_RE = re.compile(rf"^(?P<name>{_NAME})(?:@(?P<version>[0-9]{{1,9}}))?$")
 _WEIGHT_RE = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?$")
 
@@ -39,10 +77,6 @@ class ModelSpec:
     """A parsed `model` field. No stages = the base model; one stage of one term = a plain adapter."""
 
     stages: tuple[tuple[Term, ...], ...] = ()
-
-    @property
-    def is_base(self) -> bool:
-        return not self.stages
 
     @property
     def kind(self) -> str:

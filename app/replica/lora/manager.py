@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.adapter_format import LoraWeights
-from app.model_config import ModelConfig
+from app.config.model_config import ModelConfig
+from app.replica.lora.peft_format import LoraWeights
 from app.replica.sequence import Sequence
 from kernels import lora as K
 

@@ -12,7 +12,6 @@ columns of B, which leaves the delta unchanged. (layer, module) pairs absent fro
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -21,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.config.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from app.errors import InvalidAdapter, InvalidRequest
-from app.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
+from app.files import sha256_file
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so `adapters validate/push` start fast
     import torch
@@ -415,14 +415,6 @@ def _pad_ranks(tensors: dict) -> dict:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def adapter_summary(folder: str | Path) -> dict:
     """What the catalog records, without a base model: config facts, the modules and layers present in the
     weights (read from the safetensors header only), and sha256/size of the two files that define the adapter."""
@@ -435,7 +427,7 @@ def adapter_summary(folder: str | Path) -> dict:
             keys = _parse_keys(folder, list(f.keys()))
     except SafetensorError as e:
         raise _refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
-    files = {n: _sha256(folder / n) for n in (CONFIG_FILE, WEIGHTS_FILE)}
+    files = {n: sha256_file(folder / n) for n in (CONFIG_FILE, WEIGHTS_FILE)}
     return {
         "rank": int(max([cfg["r"], *(cfg.get("rank_pattern") or {}).values()])),
         "alpha": float(cfg["lora_alpha"]),

@@ -1,5 +1,5 @@
 """The catalog's CLI commands: `adapters ...` (in cli_adapters.py), `tenants ...`, `placement`. Tables for people, --json for
-scripts. Heavy imports (redis, boto3, torch via app.adapter_format) happen inside the commands."""
+scripts. Heavy imports (redis, boto3, torch via app.replica.lora.peft_format) happen inside the commands."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.catalog.cli_adapters import (
+from app.cli.adapters import (
     cmd_list,
     cmd_pin,
     cmd_push,
@@ -17,7 +17,7 @@ from app.catalog.cli_adapters import (
     cmd_show,
     cmd_validate,
 )
-from app.catalog.cli_output import catalog_from_args, print_json, table
+from app.cli.output import catalog_from_args, print_json, table
 
 
 def register(subparsers: Any) -> None:

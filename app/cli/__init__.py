@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 # "module:function" registrars, imported when the parser is built; keep their top-level imports light.
 COMMAND_MODULES: list[str] = [
-    "app.catalog.cli_commands:register",
-    "app.serve_cli:register_serve",
-    "app.demo:register_demo",
+    "app.cli.catalog:register",
+    "app.cli.serve:register_serve",
+    "app.cli.demo:register_demo",
 ]
 
 
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.redis is None:
-            from app.settings import Settings
+            from app.config.settings import Settings
 
             args.redis = Settings.from_env().redis_url
         return int(args.func(args) or 0)

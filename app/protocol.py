@@ -1,0 +1,114 @@
+"""What crosses Ray between the ingress and a replica: small, typed, picklable dataclasses.
+
+The ingress sends one `ReplicaRequest`; the replica streams back a `ReplicaHello` (which replica took it),
+then `ChoiceDelta`s (new text per choice, possibly several piled-up deltas coalesced into one), and ends the
+stream, or sends one `Failure` and ends. A `Failure` carries the error's class name, message and whether a
+retry may succeed; only the ingress maps it to an HTTP status (app/router/http_errors.py). The one rule that
+turns a failure back into an exception is `Failure.to_exception`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from app import errors
+
+# The error classes a Failure may name; anything else comes back as a plain LoraLandError (HTTP 500).
+_KNOWN: dict[str, type[errors.LoraLandError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.InvalidRequest,
+        errors.UnknownAdapter,
+        errors.InvalidAdapter,
+        errors.AdapterUnavailable,
+        errors.QueueFull,
+        errors.CatalogUnavailable,
+    )
+}
+_RETRYABLE = {"AdapterUnavailable", "QueueFull", "CatalogUnavailable"}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request (or one sequence of it) failed: `kind` is an app.errors class name, or "internal"."""
+
+    kind: str
+    message: str
+    retryable: bool = False
+    param: str | None = None  # the request field at fault, when one is
+    retry_after_s: float | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        kind = type(exc).__name__
+        if kind not in _KNOWN or not isinstance(exc, errors.LoraLandError):
+            return cls("internal", f"internal error ({type(exc).__name__}); see the server log")
+        return cls(
+            kind,
+            str(exc),
+            kind in _RETRYABLE,
+            getattr(exc, "param", None),
+            getattr(exc, "retry_after_s", None),
+        )
+
+    def to_exception(self) -> errors.LoraLandError:
+        cls = _KNOWN.get(self.kind)
+        if cls is None:
+            return errors.LoraLandError(self.message)
+        exc = cls(self.message, self.retry_after_s or 1.0) if cls is errors.QueueFull else cls(self.message)
+        if self.param is not None:
+            exc.param = self.param
+        if self.retry_after_s is not None:
+            exc.retry_after_s = self.retry_after_s
+        return exc
+
+
+class RequestFailed(errors.LoraLandError):
+    """Raised by the ingress's replica client for a Failure that arrived in-band (keeps the Failure)."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+@dataclass(frozen=True)
+class ReplicaRequest:
+    """One OpenAI request, resolved: `adapter` is the canonical model id for the kernel ("" = base model),
+    `records` the catalog records (as dicts) of every adapter version it needs."""
+
+    request_id: str
+    adapter: str = ""
+    records: tuple[dict[str, Any], ...] = ()
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    messages: tuple[dict[str, str], ...] | None = None  # a chat; rendered by the replica's tokenizer
+    sampling: dict[str, Any] = field(default_factory=dict)
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class ReplicaHello:
+    """The first item of every reply stream: which replica is serving it."""
+
+    replica_id: str
+
+
+@dataclass
+class ChoiceDelta:
+    """New output of one choice (index = prompt index * n + sample index) since its previous delta."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def merge(self, later: ChoiceDelta) -> None:
+        """Fold a later delta of the same choice into this one (coalescing, or accumulating a reply)."""
+        self.text += later.text
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.prompt_tokens = later.prompt_tokens
+        self.completion_tokens = later.completion_tokens
+
+
+ReplyItem = ReplicaHello | ChoiceDelta | Failure
