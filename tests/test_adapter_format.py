@@ -12,7 +12,8 @@ import torch
 
 from app.config.model_config import ModelConfig
 from app.errors import InvalidAdapter, InvalidRequest
-from app.replica.lora.peft_format import adapter_summary, merge_adapters, read_adapter
+from app.replica.lora.merge import merge_adapters
+from app.replica.lora.peft_format import adapter_summary, read_adapter
 from tests.fixtures.adapters import (
     ADAPTER_SPECS,
     CORRUPT_KINDS,

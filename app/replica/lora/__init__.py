@@ -1,1 +1,4 @@
-"""Adapters on a replica: PEFT reading and validation, merges, device pools, and the manager (registry, LRU, loader)."""
+"""Adapters on a replica, leaves first: weights.py (LoraWeights), peft_config.py (adapter_config.json),
+peft_format.py (read and validate a PEFT folder; the catalog's summary), merge.py (linear merges as virtual
+adapters), pools.py (device slots and the per-step LoRA plan), manager.py (registry, LRU tiers, loader) and
+null.py (the engine's hooks when it serves the base model only)."""

@@ -1,12 +1,13 @@
-"""Adapter tiers: device slots (pools) <- host cache <- sources, with LRU eviction and background loads.
+"""Adapter tiers: device slots (pools.py) <- host cache <- sources, with LRU eviction and background loads.
 
-Device memory is organised as *pools*: adapters with the same shape signature (rank of every targeted
-(layer, module)) share one pool, so a rank-4 adapter never pays for rank-64 slots and a q/v adapter never
-pays for MLP slots. Per (layer, fused linear) a pool holds A [cap, in, sum of ranks] (q/k/v and gate/up A's
-side by side, so one shrink serves all three) and one B [cap, r, out] per module with alpha/r folded in.
+The registry maps keys ("name@version", or a merge's name) to entries; `current` names each adapter's newest live
+version. Retiring an entry (unload, a newer version, or the retirement of a component of a merge) makes new
+lookups miss it while the sequences already submitted finish on it; it leaves when the last one does.
 
-Everything that touches pools or reference counts runs on the engine thread (admit/release/poll/lora_batch);
-loads (disk/S3/Hub reads, parsing, validation) run on a background thread.
+Threads: the registry (register/unload/set_pinned/submitted/weights_of) is called from caller threads under
+`_lock`; everything that touches pools or reference counts runs on the engine thread
+(admit/release/poll/lora_batch/finished); loads (disk/S3/Hub reads, parsing, validation) run on a background
+thread.
 """
 
 from __future__ import annotations
@@ -22,19 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from app.config.model_config import ModelConfig
-from app.replica.lora.peft_format import LoraWeights
+from app.replica.lora.pools import LoraBatch, Pool, PoolPlan, signature
+from app.replica.lora.weights import LoraWeights
 from app.replica.sequence import Sequence
 from kernels import lora as K
 
 log = logging.getLogger("loraland.adapters")
-
-GROUPS = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-MODULE_GROUP = {m: g for g, ms in GROUPS.items() for m in ms}
 
 
 @dataclass
@@ -44,125 +38,14 @@ class AdapterEntry:
     version: int
     loader: Callable[[], LoraWeights]  # reads the adapter again after host eviction
     weights: LoraWeights | None = None
+    parts: tuple[str, ...] = ()  # keys this entry is built from (a merge): it retires with any of them
     loading: Future | None = None
-    error: str | None = None
     slot: tuple[Pool, int] | None = None
     refs: int = 0  # running sequences using the device slot
     pending: int = 0  # submitted, unfinished sequences
     pinned: bool = False
     retired: bool = False  # unloaded or replaced by a newer version: no new requests
     last_used: float = field(default_factory=time.monotonic)
-
-
-class _GroupWeights:
-    """One pool's tensors for one fused linear of one layer."""
-
-    def __init__(self, cap: int, d_in: int, parts: list[tuple[str, int, int, int]], dtype, device):
-        # parts: (module, rank, out_features, column offset in the fused output)
-        self.rank_total = sum(r for _, r, _, _ in parts)
-        self.A = torch.empty(cap, d_in, self.rank_total, dtype=dtype, device=device)
-        self.parts = []
-        r0 = 0
-        for module, r, out, col in parts:
-            self.parts.append(
-                (module, r0, r0 + r, col, col + out, torch.empty(cap, r, out, dtype=dtype, device=device))
-            )
-            r0 += r
-
-    def grow(self, cap: int) -> None:
-        def bigger(t):
-            n = torch.empty(cap, *t.shape[1:], dtype=t.dtype, device=t.device)
-            n[: t.shape[0]] = t
-            return n
-
-        self.A = bigger(self.A)
-        self.parts = [(m, r0, r1, c0, c1, bigger(B)) for m, r0, r1, c0, c1, B in self.parts]
-
-    def nbytes_per_slot(self) -> int:
-        per = self.A[0].numel() * self.A.element_size()
-        return per + sum(B[0].numel() * B.element_size() for *_, B in self.parts)
-
-
-class Pool:
-    """Slots for adapters of one shape signature. On CPU the tensors are allocated for max_adapters slots up
-    front with torch.empty: untouched pages are never committed, so memory follows the slots in use. On CUDA
-    they grow by doubling."""
-
-    def __init__(self, index: int, signature: tuple, cfg: ModelConfig, max_slots: int, dtype, device):
-        self.index, self.signature = index, signature
-        ranks = {(layer, m): r for layer, m, r in signature}
-        shapes = cfg.linear_shapes()
-        offsets = {
-            "q_proj": 0,
-            "k_proj": shapes["q_proj"][1],
-            "v_proj": shapes["q_proj"][1] + shapes["k_proj"][1],
-            "gate_proj": 0,
-            "up_proj": shapes["gate_proj"][1],
-            "o_proj": 0,
-            "down_proj": 0,
-        }
-        self.cap = max_slots if device.type == "cpu" else min(8, max_slots)
-        self.max_slots = max_slots
-        self.groups: dict[tuple[int, str], _GroupWeights] = {}
-        for layer in sorted({lay for lay, _ in ranks}):
-            for g, modules in GROUPS.items():
-                parts = [
-                    (m, ranks[(layer, m)], shapes[m][1], offsets[m]) for m in modules if (layer, m) in ranks
-                ]
-                if parts:
-                    self.groups[(layer, g)] = _GroupWeights(
-                        self.cap, shapes[modules[0]][0], parts, dtype, device
-                    )
-        self.free = list(range(self.cap - 1, -1, -1))  # lowest index first keeps the high-water mark tight
-        self.used: set[int] = set()
-
-    def high_water(self) -> int:
-        return max(self.used) + 1 if self.used else 0
-
-    def nbytes_per_slot(self) -> int:
-        return sum(g.nbytes_per_slot() for g in self.groups.values())
-
-    def install(self, lw: LoraWeights) -> int:
-        if not self.free:
-            new_cap = min(self.max_slots, self.cap * 2)
-            for g in self.groups.values():
-                g.grow(new_cap)
-            self.free = list(range(new_cap - 1, self.cap - 1, -1))
-            self.cap = new_cap
-        self.free.sort(reverse=True)
-        slot = self.free.pop()
-        for (layer, _), gw in self.groups.items():
-            for module, r0, r1, _, _, B in gw.parts:
-                a, b = lw.tensors[(layer, module)]
-                gw.A[slot, :, r0:r1].copy_(a.t())
-                B[slot].copy_((b * lw.scale).t())
-        self.used.add(slot)
-        return slot
-
-    def remove(self, slot: int) -> None:
-        self.used.discard(slot)
-        self.free.append(slot)
-
-
-def signature(lw: LoraWeights) -> tuple:
-    return tuple(sorted((layer, m, a.shape[0]) for (layer, m), (a, _) in lw.tensors.items()))
-
-
-class LoraBatch:
-    """Per-step LoRA plan: for each pool present, its contiguous token range and segments."""
-
-    def __init__(self, plans: list[tuple[Pool, int, int, K.Segments]]):
-        self.plans = plans
-
-    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        for pool, s, e, seg in self.plans:
-            gw = pool.groups.get((layer, group))
-            if gw is None:
-                continue
-            hw = seg.num_slots
-            z = K.shrink(x[s:e], gw.A[:hw], seg)
-            for _, r0, r1, c0, c1, B in gw.parts:
-                K.expand(out[s:e, c0:c1], z[:, r0:r1], B[:hw], seg)
 
 
 class AdapterManager:
@@ -186,7 +69,7 @@ class AdapterManager:
         self.pools: dict[tuple, Pool] = {}
         self.host_lru: OrderedDict[str, None] = OrderedDict()
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loraland-adapter-load")
-        self._lock = threading.Lock()  # guards entries/current against the caller threads
+        self._lock = threading.Lock()  # guards entries/current/host_lru against the caller threads
         self._loaded: list[str] = []  # keys whose background load finished (ok or failed)
         self.on_ready = on_ready
         self.loads = 0
@@ -194,16 +77,27 @@ class AdapterManager:
 
     # ------------------------------------------------------------------ registry (caller threads)
     def register(
-        self, name: str, version: int, loader: Callable[[], LoraWeights], weights: LoraWeights | None = None
+        self,
+        name: str,
+        version: int,
+        loader: Callable[[], LoraWeights],
+        weights: LoraWeights | None = None,
+        *,
+        parts: tuple[str, ...] = (),
     ) -> AdapterEntry:
+        """Make `weights` (re-read by `loader` after host eviction) the live version of `name`, retiring the
+        previous one. `parts`: the keys of the adapters a merge is built from; the new entry retires with any of
+        them. Raises KeyError when one of them is already unloaded or replaced (the caller raced an unload)."""
         key = f"{name}@{version}"
         with self._lock:
+            gone = [k for k in parts if k not in self.entries or self.entries[k].retired]
+            if gone:
+                raise KeyError(gone[0])
             old = self.current.get(name)
-            entry = AdapterEntry(key, name, version, loader, weights=weights)
+            entry = AdapterEntry(key, name, version, loader, weights=weights, parts=tuple(parts))
             if old is not None and old != key:
-                prev = self.entries[old]
-                prev.retired = True
-                entry.pinned = prev.pinned
+                entry.pinned = self.entries[old].pinned
+                self._retire(self.entries[old])
             self.entries[key] = entry
             self.current[name] = key
             if weights is not None:
@@ -212,15 +106,30 @@ class AdapterManager:
 
     def unload(self, name: str) -> None:
         with self._lock:
-            key = self.current.pop(name, None)
+            key = self.current.get(name)
             if key is None:
                 raise KeyError(name)
-            self.entries[key].retired = True
-            self.entries[key].pinned = False
+            self._retire(self.entries[key])
+
+    def _retire(self, e: AdapterEntry) -> None:
+        """Under the lock: no new lookups find `e`, nor any entry built from it; running sequences finish."""
+        if self.current.get(e.name) == e.key:
+            del self.current[e.name]
+        e.retired, e.pinned = True, False
+        for d in [d for d in self.entries.values() if e.key in d.parts and not d.retired]:
+            self._retire(d)
 
     def resolve(self, name: str) -> str | None:
         """Key of the newest live version of `name` (None if not loaded)."""
         return self.current.get(name)
+
+    def weights_of(self, key: str) -> LoraWeights:
+        """The host weights of entry `key`, re-read through its loader (outside the lock, on the calling thread)
+        when the host cache evicted them. KeyError when there is no such entry."""
+        with self._lock:
+            e = self.entries[key]
+            weights, loader = e.weights, e.loader
+        return weights if weights is not None else loader()
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         with self._lock:
@@ -303,7 +212,7 @@ class AdapterManager:
                 t += n
                 i += 1
             ids = torch.tensor(slots, dtype=torch.int64, device=self.device)
-            plans.append((pool, start, t, K.build_segments(ids, pool.high_water())))
+            plans.append(PoolPlan(pool, start, t, K.build_segments(ids, pool.high_water())))
         return LoraBatch(plans) if plans else None
 
     def poll(self) -> dict[str, str]:
@@ -317,12 +226,13 @@ class AdapterManager:
                 continue
             fut, e.loading = e.loading, None
             try:
-                e.weights = fut.result()
-                e.error = None
-                self._touch_host(key)
+                weights = fut.result()
             except Exception as ex:  # the adapter fails alone; its waiting requests get the message
-                e.error = str(ex)
-                failed[key] = e.error
+                failed[key] = str(ex)
+                continue
+            with self._lock:  # host_lru is also touched by register() on caller threads
+                e.weights = weights
+                self._touch_host(key)
         return failed
 
     def _start_load(self, e: AdapterEntry) -> None:
@@ -358,6 +268,8 @@ class AdapterManager:
         return True
 
     def _touch_host(self, key: str) -> None:
+        """Under the lock: mark `key` most recently used on the host; drop the least recently used host copies
+        (not pinned, not running) past max_cpu_adapters."""
         self.host_lru[key] = None
         self.host_lru.move_to_end(key)
         while len(self.host_lru) > self.max_cpu_adapters:

@@ -1,0 +1,214 @@
+"""adapter_config.json: what PEFT's config says, checked before any tensor is read.
+
+Everything that would make our forward differ from PEFT's (DoRA, biases, modules_to_save, embeddings,
+fan_in_fan_out, ...) is refused with an InvalidAdapter that names the field, rather than served subtly wrong.
+Targets, rank_pattern and alpha_pattern are resolved by PEFT's own matching rules against the base model's
+module names, so the (layer, module) pairs and ranks we expect are the ones PEFT would have created.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from app.config.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
+from app.errors import InvalidAdapter
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "adapter_model.ckpt")
+
+# Config fields that change PEFT's forward in ways a plain B@A delta does not reproduce: each must be falsy.
+_REFUSED_FIELDS = {
+    "use_dora": "DoRA rescales the whole weight per column; retrain or merge it into the base model",
+    "modules_to_save": "it replaces whole modules (often lm_head or a classifier); LoRA-Land only adds deltas",
+    "fan_in_fan_out": "it is for Conv1D (GPT-2 style) layers, which Llama/Mistral/Qwen2 do not have",
+    "lora_bias": "LoRA-Land's deltas carry no bias; retrain with lora_bias=False",
+    "trainable_token_indices": "it edits embedding rows; LoRA on embeddings is not supported",
+    "layer_replication": "it duplicates decoder layers, which changes the base model",
+    "target_parameters": "LoRA on raw parameters (e.g. MoE experts) is not supported",
+    "use_qalora": "QA-LoRA pools the input; not supported",
+    "alora_invocation_tokens": "activated LoRA switches on mid-sequence; not supported",
+    "megatron_config": "Megatron-parallel LoRA layers are not supported",
+    "use_bdlora": "block-diagonal LoRA is not supported",
+    "arrow_config": "Arrow routing between experts is not supported",
+    "velora_config": "not a plain LoRA; not supported",
+    "monteclora_config": "not a plain LoRA; not supported",
+}
+_TASK_TYPES = (None, "CAUSAL_LM", "FEATURE_EXTRACTION")
+
+
+def refuse(folder: Path, msg: str) -> InvalidAdapter:
+    return InvalidAdapter(f"adapter {folder}: {msg}")
+
+
+def load_config(folder: Path) -> dict[str, Any]:
+    """Read adapter_config.json and refuse, by field, everything no model is needed to rule out."""
+    if not folder.is_dir():
+        raise refuse(
+            folder, "not a directory: give a folder holding adapter_config.json and adapter_model.safetensors"
+        )
+    if not (folder / WEIGHTS_FILE).is_file():
+        pickled = [p for p in PICKLED_FILES if (folder / p).exists()]
+        if pickled:
+            raise refuse(
+                folder,
+                f"{pickled[0]} is a pickle and LoRA-Land never unpickles (it can run code): convert it to "
+                f"{WEIGHTS_FILE} (PEFT save_pretrained(..., safe_serialization=True)) in a trusted environment",
+            )
+        raise refuse(folder, f"missing {WEIGHTS_FILE}: a PEFT adapter folder needs it next to {CONFIG_FILE}")
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise refuse(folder, f"missing {CONFIG_FILE}: save the adapter with PEFT's save_pretrained")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise refuse(folder, f"{CONFIG_FILE} is not valid JSON ({e}): re-save it with PEFT") from None
+    if not isinstance(cfg, dict):
+        raise refuse(folder, f"{CONFIG_FILE} must hold a JSON object, not {type(cfg).__name__}")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise refuse(
+            folder, f"peft_type is {cfg['peft_type']!r}: only LoRA adapters (peft_type LORA) are served"
+        )
+    if cfg.get("task_type") not in _TASK_TYPES:
+        raise refuse(folder, f"task_type {cfg['task_type']!r} is not a causal LM adapter: use CAUSAL_LM")
+    for key, why in _REFUSED_FIELDS.items():
+        if cfg.get(key):
+            raise refuse(folder, f"{key}={cfg[key]!r} is not supported: {why}")
+    if cfg.get("bias", "none") != "none":
+        raise refuse(
+            folder,
+            f"bias={cfg['bias']!r} is not supported: LoRA-Land's deltas carry no bias; use bias='none'",
+        )
+    for key in ("r", "lora_alpha"):
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise refuse(folder, f"{key}={v!r} must be a positive number")
+    if int(cfg["r"]) != cfg["r"]:
+        raise refuse(folder, f"r={cfg['r']!r} must be an integer")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pat = cfg.get(key) or {}
+        if not isinstance(pat, dict) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in pat.values()
+        ):
+            raise refuse(folder, f"{key} must map module-name patterns to positive numbers, got {pat!r}")
+    return cfg
+
+
+def linear_names(model: ModelConfig) -> dict[str, tuple[int, str]]:
+    """The base model's LoRA-able linears: full module name -> (layer, module)."""
+    blocks = {m: "self_attn" if m in ATTN_MODULES else "mlp" for m in LORA_MODULES}
+    return {
+        f"model.layers.{i}.{blocks[m]}.{m}": (i, m) for i in range(model.num_layers) for m in LORA_MODULES
+    }
+
+
+def _other_names(model: ModelConfig) -> list[str]:
+    names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
+    for i in range(model.num_layers):
+        p = f"model.layers.{i}"
+        names += [p, f"{p}.self_attn", f"{p}.mlp", f"{p}.mlp.act_fn", f"{p}.input_layernorm"]
+        names += [f"{p}.post_attention_layernorm"]
+    return names
+
+
+def _name_matches(pattern: str | list[str], name: str) -> bool:
+    # PEFT's rules: a string is a regex fullmatched against the module name; a list entry matches by suffix.
+    if isinstance(pattern, str):
+        return re.fullmatch(pattern, name) is not None
+    return any(name == t or name.endswith("." + t) for t in pattern)
+
+
+def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig) -> set[tuple[int, str]]:
+    """(layer, module) pairs that PEFT would wrap in LoRA for this config on this base model."""
+    wanted_mods, exclude = cfg.get("target_modules"), cfg.get("exclude_modules")
+    if (
+        not isinstance(wanted_mods, (str, list))
+        or not wanted_mods
+        or not all(isinstance(t, str) for t in wanted_mods)
+    ):
+        raise refuse(
+            folder, f"target_modules={wanted_mods!r} must be a non-empty list of module names or a regex"
+        )
+    linear, others = linear_names(model), _other_names(model)
+    try:
+        hit_linear = {n for n in linear if _name_matches(wanted_mods, n)}
+        hit_other = [n for n in others if _name_matches(wanted_mods, n)]
+        if exclude:
+            hit_linear = {n for n in hit_linear if not _name_matches(exclude, n)}
+            hit_other = [n for n in hit_other if not _name_matches(exclude, n)]
+    except re.error as e:
+        raise refuse(folder, f"target_modules/exclude_modules is not a valid regex ({e})") from None
+    emb = [n for n in hit_other if n.endswith(("embed_tokens", "lm_head"))]
+    if emb:
+        raise refuse(
+            folder,
+            f"target_modules={wanted_mods!r} matches {emb[0]}: LoRA on embed_tokens/lm_head is not "
+            f"supported; target only the decoder projections {LORA_MODULES}",
+        )
+    unknown = hit_other or (
+        [t for t in wanted_mods if not any(_name_matches([t], n) for n in linear)]
+        if isinstance(wanted_mods, list)
+        else []
+    )
+    if unknown or not hit_linear:
+        raise refuse(
+            folder,
+            f"target_modules={wanted_mods!r}: unknown target module {unknown[:3] or wanted_mods!r}; "
+            f"supported: {LORA_MODULES}",
+        )
+    if cfg.get("layers_pattern") not in (None, "", "layers", ["layers"], []):
+        raise refuse(folder, f"layers_pattern={cfg['layers_pattern']!r}: Llama-family models use 'layers'")
+    layers = cfg.get("layers_to_transform")
+    if layers is not None and layers != []:
+        if isinstance(wanted_mods, str):
+            raise refuse(
+                folder, "layers_to_transform cannot be combined with a regex target_modules (PEFT refuses it)"
+            )
+        layers = [layers] if isinstance(layers, int) else layers
+        bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < model.num_layers]
+        if bad:
+            raise refuse(
+                folder,
+                f"layers_to_transform {bad} out of range: the base model has {model.num_layers} layers",
+            )
+        hit_linear = {n for n in hit_linear if linear[n][0] in layers}
+    if not hit_linear:
+        raise refuse(
+            folder, "target_modules, exclude_modules and layers_to_transform leave no module to adapt"
+        )
+    return {linear[n] for n in hit_linear}
+
+
+def _pattern_value(folder: Path, pattern: dict[str, float], name: str, default: float) -> float:
+    for key, value in pattern.items():  # PEFT's get_pattern_key: first key matching a dotted suffix wins
+        try:
+            if re.match(rf"(.*\.)?({key})$", name):
+                return value
+        except re.error as e:
+            raise refuse(
+                folder, f"rank_pattern/alpha_pattern key {key!r} is not a valid regex ({e})"
+            ) from None
+    return default
+
+
+def ranks(folder: Path, cfg: dict[str, Any], model: ModelConfig) -> dict[tuple[int, str], int]:
+    """Rank of every targeted (layer, module): r, or the first rank_pattern key matching its name."""
+    names = {v: k for k, v in linear_names(model).items()}
+    pat = cfg.get("rank_pattern") or {}
+    return {t: int(_pattern_value(folder, pat, names[t], cfg["r"])) for t in targets(folder, cfg, model)}
+
+
+def scales(
+    folder: Path, cfg: dict[str, Any], model: ModelConfig, ranks: dict[tuple[int, str], int]
+) -> dict[tuple[int, str], float]:
+    """Scale of every (layer, module) in `ranks`: alpha (or alpha_pattern) over r, or over sqrt(r) with rslora."""
+    names = {v: k for k, v in linear_names(model).items()}
+    pat, rslora = cfg.get("alpha_pattern") or {}, bool(cfg.get("use_rslora"))
+    return {
+        t: float(_pattern_value(folder, pat, names[t], cfg["lora_alpha"])) / (math.sqrt(r) if rslora else r)
+        for t, r in ranks.items()
+    }

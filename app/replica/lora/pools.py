@@ -1,0 +1,160 @@
+"""Device pools: adapters' tensors laid out for the grouped LoRA kernels, and the per-step LoRA plan.
+
+Adapters with the same shape signature (rank of every targeted (layer, module)) share one pool, so a rank-4
+adapter never pays for rank-64 slots and a q/v adapter never pays for MLP slots. Per (layer, fused linear) a
+pool holds A [cap, in, sum of ranks] (q/k/v and gate/up A's side by side, so one shrink serves all three) and
+one B [cap, r, out] per module with alpha/r folded in.
+
+Pools are touched only on the engine thread (install on admit, remove on eviction, reads in LoraBatch.apply).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from app.config.model_config import ModelConfig
+from app.replica.lora.weights import LoraWeights
+from kernels import lora as K
+
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+MODULE_GROUP = {m: g for g, ms in GROUPS.items() for m in ms}
+
+Signature = tuple[tuple[int, str, int], ...]  # sorted (layer, module, rank)
+
+
+class ModuleB(NamedTuple):
+    """One module of a fused linear in a pool: where it sits in the shrink and in the fused output, and its B."""
+
+    module: str
+    r0: int  # its rank columns r0:r1 of the group's A (and of the shrink's z)
+    r1: int
+    c0: int  # its columns c0:c1 of the fused output (q/k/v side by side)
+    c1: int
+    B: torch.Tensor  # [cap, r1 - r0, c1 - c0], scale folded in
+
+
+class GroupWeights:
+    """One pool's tensors for one fused linear of one layer."""
+
+    def __init__(self, cap: int, d_in: int, modules: list[tuple[str, int, int, int]], dtype, device):
+        # modules: (module, rank, out_features, column offset in the fused output), in fused-output order
+        self.rank_total = sum(r for _, r, _, _ in modules)
+        self.A = torch.empty(cap, d_in, self.rank_total, dtype=dtype, device=device)
+        self.parts: list[ModuleB] = []
+        r0 = 0
+        for module, r, out, col in modules:
+            B = torch.empty(cap, r, out, dtype=dtype, device=device)
+            self.parts.append(ModuleB(module, r0, r0 + r, col, col + out, B))
+            r0 += r
+
+    def grow(self, cap: int) -> None:
+        def bigger(t: torch.Tensor) -> torch.Tensor:
+            n = torch.empty(cap, *t.shape[1:], dtype=t.dtype, device=t.device)
+            n[: t.shape[0]] = t
+            return n
+
+        self.A = bigger(self.A)
+        self.parts = [p._replace(B=bigger(p.B)) for p in self.parts]
+
+    def nbytes_per_slot(self) -> int:
+        per = self.A[0].numel() * self.A.element_size()
+        return per + sum(p.B[0].numel() * p.B.element_size() for p in self.parts)
+
+
+class Pool:
+    """Slots for adapters of one shape signature. On CPU the tensors are allocated for max_adapters slots up
+    front with torch.empty: untouched pages are never committed, so memory follows the slots in use. On CUDA
+    they grow by doubling."""
+
+    def __init__(self, index: int, signature: Signature, cfg: ModelConfig, max_slots: int, dtype, device):
+        self.index, self.signature = index, signature
+        ranks = {(layer, m): r for layer, m, r in signature}
+        shapes = cfg.linear_shapes()
+        offsets = {
+            "q_proj": 0,
+            "k_proj": shapes["q_proj"][1],
+            "v_proj": shapes["q_proj"][1] + shapes["k_proj"][1],
+            "gate_proj": 0,
+            "up_proj": shapes["gate_proj"][1],
+            "o_proj": 0,
+            "down_proj": 0,
+        }
+        self.cap = max_slots if device.type == "cpu" else min(8, max_slots)
+        self.max_slots = max_slots
+        self.groups: dict[tuple[int, str], GroupWeights] = {}
+        for layer in sorted({lay for lay, _ in ranks}):
+            for g, modules in GROUPS.items():
+                present = [
+                    (m, ranks[(layer, m)], shapes[m][1], offsets[m]) for m in modules if (layer, m) in ranks
+                ]
+                if present:
+                    self.groups[(layer, g)] = GroupWeights(
+                        self.cap, shapes[modules[0]][0], present, dtype, device
+                    )
+        self.free = list(range(self.cap - 1, -1, -1))  # lowest index first keeps the high-water mark tight
+        self.used: set[int] = set()
+
+    def high_water(self) -> int:
+        return max(self.used) + 1 if self.used else 0
+
+    def nbytes_per_slot(self) -> int:
+        return sum(g.nbytes_per_slot() for g in self.groups.values())
+
+    def install(self, lw: LoraWeights) -> int:
+        if not self.free:
+            new_cap = min(self.max_slots, self.cap * 2)
+            for g in self.groups.values():
+                g.grow(new_cap)
+            self.free = list(range(new_cap - 1, self.cap - 1, -1))
+            self.cap = new_cap
+        self.free.sort(reverse=True)
+        slot = self.free.pop()
+        for (layer, _), gw in self.groups.items():
+            for p in gw.parts:
+                a, b = lw.tensors[(layer, p.module)]
+                gw.A[slot, :, p.r0 : p.r1].copy_(a.t())
+                p.B[slot].copy_((b * lw.scale).t())
+        self.used.add(slot)
+        return slot
+
+    def remove(self, slot: int) -> None:
+        self.used.discard(slot)
+        self.free.append(slot)
+
+
+def signature(lw: LoraWeights) -> Signature:
+    return tuple(sorted((layer, m, a.shape[0]) for (layer, m), (a, _) in lw.tensors.items()))
+
+
+class PoolPlan(NamedTuple):
+    """One pool's share of a step: its contiguous token range start:end and their segments."""
+
+    pool: Pool
+    start: int
+    end: int
+    segments: K.Segments
+
+
+class LoraBatch:
+    """Per-step LoRA plan (the model's LoraHook): for each pool present, its token range and segments."""
+
+    def __init__(self, plans: list[PoolPlan]):
+        self.plans = plans
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[:, fused columns] += the LoRA deltas of `group` in `layer`: one shrink per pool, then one expand
+        per module of the group (kernels' expand_sliced), whatever the number of adapters."""
+        for pool, s, e, seg in self.plans:
+            gw = pool.groups.get((layer, group))
+            if gw is None:
+                continue
+            hw = seg.num_slots
+            z = K.shrink(x[s:e], gw.A[:hw], seg)
+            K.expand_sliced([out[s:e, p.c0 : p.c1] for p in gw.parts], z, [p.B[:hw] for p in gw.parts], seg)

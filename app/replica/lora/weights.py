@@ -1,0 +1,63 @@
+"""LoraWeights: one adapter's host tensors in PEFT layout, whatever produced them (a PEFT folder, a merge).
+
+Invariant: for each module, every layer that carries it has the same rank (module_rank). A per-layer
+rank_pattern, or a merge where only some terms touch a layer, is padded with zero rows of A and zero columns of
+B (pad_ranks), which leaves the delta unchanged. (layer, module) pairs absent from `tensors` contribute zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so `adapters validate/push` start fast
+    import torch
+
+
+@dataclass
+class LoraWeights:
+    name: str
+    rank: int  # the largest module rank
+    alpha: float
+    use_rslora: bool
+    # alpha/r, or alpha/sqrt(r) with rslora; 1.0 when per-module scales are folded into A (merges, patterns)
+    scale: float
+    target_modules: frozenset[str]  # subset of LORA_MODULES actually present
+    layers: tuple[int, ...]  # layers that carry tensors
+    # (layer, module) -> (A [r, in], B [out, r])
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    source: str = ""
+
+    def nbytes(self) -> int:
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values()
+        )
+
+    def module_rank(self, module: str) -> int:
+        """Rank of `module` (the same in every layer that carries it); 0 when the adapter does not target it."""
+        return next((a.shape[0] for (_, m), (a, _) in self.tensors.items() if m == module), 0)
+
+    def delta(self, layer: int, module: str) -> torch.Tensor:
+        """The dense weight delta [out, in] this adapter adds to `module` of `layer`."""
+        a, b = self.tensors[(layer, module)]
+        return self.scale * (b @ a)
+
+
+Tensors = dict[tuple[int, str], tuple["torch.Tensor", "torch.Tensor"]]
+
+
+def pad_ranks(tensors: Tensors) -> Tensors:
+    """Zero-pad every layer of a module to that module's largest rank (exact: the padding adds nothing)."""
+    import torch
+
+    width: dict[str, int] = {}
+    for (_, m), (a, _) in tensors.items():
+        width[m] = max(width.get(m, 0), a.shape[0])
+    out = {}
+    for (lay, m), (a, b) in tensors.items():
+        pad = width[m] - a.shape[0]
+        if pad:
+            a = torch.cat([a, a.new_zeros(pad, a.shape[1])], 0)
+            b = torch.cat([b, b.new_zeros(b.shape[0], pad)], 1)
+        out[(lay, m)] = (a, b)
+    return out
