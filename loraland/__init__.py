@@ -1,8 +1,9 @@
 """LoRA-Land's public Python API."""
 
 from app.catalog.sources import AdapterHub
+from app.config.kernel_config import KernelConfig
 from app.replica.engine import Delta
 from app.replica.kernel import Completion, LLMKernel
 from app.replica.sampling import SamplingParams
 
-__all__ = ["LLMKernel", "AdapterHub", "Completion", "Delta", "SamplingParams"]
+__all__ = ["LLMKernel", "KernelConfig", "AdapterHub", "Completion", "Delta", "SamplingParams"]

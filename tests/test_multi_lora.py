@@ -2,11 +2,17 @@
 hot load/unload under traffic, and a corrupt adapter failing alone."""
 
 import asyncio
+import dataclasses
+import os
 import random
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 
+from app.config.kernel_config import KernelConfig
 from app.errors import InvalidAdapter, UnknownAdapter
 from loraland import LLMKernel
 from tests.fixtures.adapters import ADAPTER_SPECS, make_adapter_set, peft_model_with, write_corrupt_adapter
@@ -151,3 +157,54 @@ def test_resident_bytes_follow_each_adapters_rank(llama_dir, tmp_path):
         real = sum(k.adapter_manager.entries[k.adapter_manager.resolve(n)].weights.nbytes() for n in adapters)
     assert own == real * torch.empty((), dtype=torch.float32).element_size() // 4
     assert touched <= 1.1 * own
+
+
+def test_merge_is_built_off_the_loop_and_retired_with_its_components(llama_dir, tmp_path):
+    adapters = make_adapter_set(llama_dir, tmp_path / "a", ADAPTER_SPECS[:2])
+    a, b = list(adapters)
+    merge = f"{a}*0.5+{b}*0.5"
+    with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=64) as k:
+        load_all(k, adapters)
+        m, comp = k.adapter_manager, k.composition
+        built_on: list[threading.Thread] = []
+        build = comp.stages
+
+        def spy(adapter_id):
+            built_on.append(threading.current_thread())
+            return build(adapter_id)
+
+        comp.stages = spy
+
+        async def one():
+            return [t async for d in k.generate("hello world", merge, max_tokens=2) for t in d.token_ids]
+
+        first = asyncio.run(one())
+        assert built_on and threading.main_thread() not in built_on  # the merge was built in a thread
+        (key,) = comp.lookup(merge)
+        assert asyncio.run(one()) == first and len(built_on) == 1  # built once, then looked up on the loop
+        k.load_adapter(b, adapters[b])  # a new version of a component retires the merge built on the old one
+        assert m.entries.get(key) is None or m.entries[key].retired
+        (key2,) = comp.stages(merge)
+        assert key2 != key and asyncio.run(one()) == first  # the same weights, merged again
+        k.unload_adapter(a)
+        assert m.entries.get(key2) is None or m.entries[key2].retired
+        with pytest.raises(UnknownAdapter, match=a):
+            k.complete(["hello world"], [merge], max_tokens=1)
+
+
+def test_kernel_options_live_in_one_config(llama_dir):
+    cfg = KernelConfig(dtype="float32", num_kv_blocks=32, max_adapters=2)
+    with LLMKernel(llama_dir, cfg, max_batch_size=4) as k:  # keyword options override the config
+        assert k.config == dataclasses.replace(cfg, max_batch_size=4)
+        assert k.adapter_manager.max_adapters == 2 and k.max_lora_rank == 64
+    with pytest.raises(TypeError, match="max_adaptors"):
+        LLMKernel(llama_dir, max_adaptors=3)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        LLMKernel(llama_dir, gpu_memory_utilization=0)
+
+
+def test_importing_the_kernel_writes_no_environment():
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    code = "import os, loraland; assert 'TOKENIZERS_PARALLELISM' not in os.environ, 'set at import'"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from app.config.app_config import AppConfig, coerce_args
+from app.config.kernel_config import KernelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,6 +124,52 @@ def test_app_config_errors_name_the_field(change, field):
         AppConfig(**{"model": "m", **change})
 
 
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        ({"max_adapters": 0}, "max_adapters"),
+        ({"max_batch_size": True}, "max_batch_size"),
+        ({"max_lora_rank": 2.5}, "max_lora_rank"),
+        ({"num_kv_blocks": 0}, "num_kv_blocks"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
+        ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+        ({"dtype": "float64"}, "dtype 'float64' is not supported"),
+        ({"device": ""}, "device"),
+        ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+    ],
+)
+def test_kernel_config_errors_name_the_field_and_range(options, field):
+    with pytest.raises(ValueError, match=field):
+        KernelConfig(**options)
+    with pytest.raises(ValueError, match=f"kernel: {field}"):  # the same rule, said at the app's level
+        AppConfig(model="m", kernel=options)
+
+
+def test_kernel_config_is_the_one_home_of_the_kernel_options():
+    import dataclasses
+
+    from app.replica.engine import EngineConfig
+
+    # AppConfig's `kernel:` takes exactly the kernel's options; the engine's step budget default agrees
+    assert KernelConfig.option_names() == {f.name for f in dataclasses.fields(KernelConfig)}
+    assert KernelConfig().max_num_batched_tokens == EngineConfig.max_num_batched_tokens == 4096
+    assert KernelConfig().max_lora_rank == 64
+    with pytest.raises(TypeError, match="max_adaptors"):
+        KernelConfig.from_options({"max_adaptors": 3})
+    # a torch dtype is kept by name, so the config stays plain data (YAML, JSON, Ray)
+    import torch
+
+    assert KernelConfig(dtype=torch.bfloat16).dtype == "bfloat16"
+    # YAML and `serve run` give a dict of the keys they set; the rest are KernelConfig's defaults
+    cfg = AppConfig.from_dict(
+        coerce_args({"model": "m", "kernel": '{"max_adapters": 8, "dtype": "float32"}'})
+    )
+    assert cfg.kernel == KernelConfig(max_adapters=8, dtype="float32")
+    assert AppConfig.from_dict(cfg.to_dict()) == cfg  # what build_app hands the deployments round-trips
+    assert AppConfig(model="m").kernel == KernelConfig()
+
+
 def test_app_config_from_serve_run_strings():
     args = coerce_args(
         {
@@ -148,11 +195,11 @@ def test_app_config_from_serve_run_strings():
 
 
 def test_loraland_serve_arguments():
-    from app.cli.serve import config_from_args, register_serve
+    from app.cli.serve import config_from_args, register
 
     parser = argparse.ArgumentParser(prog="loraland")
     parser.add_argument("--redis", default=None)
-    register_serve(parser.add_subparsers(dest="command"))
+    register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(
         [
             "serve",
@@ -176,6 +223,8 @@ def test_loraland_serve_arguments():
         "s3://bucket/prefix",
         True,
     )
-    assert cfg.kernel == {"max_adapters": 8, "max_num_batched_tokens": 4096} and cfg.replica_num_gpus == 0
+    assert (
+        cfg.kernel == KernelConfig(max_adapters=8, max_num_batched_tokens=4096) and cfg.replica_num_gpus == 0
+    )
     # one replica on this machine: it reserves every core, and torch uses as many threads
     assert cfg.replica_num_cpus == max(1.0, float((os.cpu_count() or 1) // 2)) and cfg.threads >= 1

@@ -7,24 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import PurePath
 from typing import Any
 
-# Keywords LLMKernel accepts (app/replica/kernel.py); anything else in `kernel:` is a config error, said early.
-KERNEL_KEYS = frozenset(
-    {
-        "max_adapters",
-        "max_cpu_adapters",
-        "max_batch_size",
-        "gpu_memory_utilization",
-        "max_lora_rank",
-        "dtype",
-        "device",
-        "max_model_len",
-        "block_size",
-        "num_kv_blocks",
-        "max_num_batched_tokens",
-        "enable_prefix_caching",
-        "max_waiting",
-    }
-)
+from app.config.kernel_config import KernelConfig
+
 ROUTER_KEYS = frozenset({"overload_load", "overload_kv", "max_per_tier", "assignment_ttl_s"})
 
 
@@ -50,7 +34,8 @@ class AppConfig:
     cache_dir: str | None = None
     no_auth: bool = False
     admin_token: str | None = None  # usually from LORALAND_ADMIN_TOKEN in the ingress's environment
-    kernel: dict[str, Any] = field(default_factory=dict)
+    # The kernel's options; YAML and `serve run` give a dict (only the keys they set), turned into this.
+    kernel: KernelConfig = field(default_factory=KernelConfig)
     router: dict[str, Any] = field(default_factory=dict)
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 10.0
@@ -82,9 +67,13 @@ class AppConfig:
                 f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
                 "or live replicas would flicker out of the placement"
             )
-        bad = sorted(set(self.kernel) - KERNEL_KEYS)
-        if bad:
-            raise ValueError(f"kernel: unknown keys {bad}; LLMKernel accepts {sorted(KERNEL_KEYS)}")
+        if isinstance(self.kernel, dict):
+            try:
+                object.__setattr__(self, "kernel", KernelConfig.from_options(self.kernel))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"kernel: {e}") from None
+        elif not isinstance(self.kernel, KernelConfig):
+            raise ValueError(f"kernel: a mapping of LLMKernel options, got {type(self.kernel).__name__}")
         bad = sorted(set(self.router) - ROUTER_KEYS)
         if bad:
             raise ValueError(f"router: unknown keys {bad}; the router accepts {sorted(ROUTER_KEYS)}")
@@ -136,7 +125,7 @@ def coerce_args(args: dict[str, Any]) -> dict[str, Any]:
                 value = int(value)
             elif kind.startswith("float"):
                 value = float(value)
-            elif kind.startswith("dict"):
+            elif kind.startswith(("dict", "KernelConfig")):
                 import json
 
                 value = json.loads(value)
