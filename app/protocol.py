@@ -14,7 +14,8 @@ from typing import Any
 
 from app import errors
 
-# The error classes a Failure may name; anything else comes back as a plain LoraLandError (HTTP 500).
+# The error classes a Failure may name (a subclass travels as the first of these it derives from); the base
+# class keeps its message (HTTP 500), anything that is not a LoraLandError travels as "internal", message hidden.
 _KNOWN: dict[str, type[errors.LoraLandError]] = {
     cls.__name__: cls
     for cls in (
@@ -24,6 +25,7 @@ _KNOWN: dict[str, type[errors.LoraLandError]] = {
         errors.AdapterUnavailable,
         errors.QueueFull,
         errors.CatalogUnavailable,
+        errors.LoraLandError,
     )
 }
 _RETRYABLE = {"AdapterUnavailable", "QueueFull", "CatalogUnavailable"}
@@ -41,9 +43,11 @@ class Failure:
 
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
-        kind = type(exc).__name__
-        if kind not in _KNOWN or not isinstance(exc, errors.LoraLandError):
+        """The failure to send for `exc`; internals of an unexpected exception stay in the replica's log."""
+        if not isinstance(exc, errors.LoraLandError):
             return cls("internal", f"internal error ({type(exc).__name__}); see the server log")
+        # A private subclass (e.g. the hub's AdapterUnavailable for a missing repo) travels as its public base.
+        kind = next(k.__name__ for k in type(exc).__mro__ if _KNOWN.get(k.__name__) is k)
         return cls(
             kind,
             str(exc),
@@ -53,6 +57,8 @@ class Failure:
         )
 
     def to_exception(self) -> errors.LoraLandError:
+        """The one rule that turns a failure back into an exception: the kernel raises it for a failed
+        sequence, and the ingress maps it to an HTTP status through the same table as any other error."""
         cls = _KNOWN.get(self.kind)
         if cls is None:
             return errors.LoraLandError(self.message)

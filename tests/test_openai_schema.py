@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 
@@ -11,13 +12,15 @@ from app.errors import (
     CatalogUnavailable,
     InvalidAdapter,
     InvalidRequest,
+    LoraLandError,
     QueueFull,
     UnknownAdapter,
 )
 from app.names import ModelSpec, Term, parse_model, resolved
+from app.protocol import ChoiceDelta, Failure, RequestFailed
 from app.replica.core import render_chat
 from app.router import openai_schema as oa
-from app.router.http_errors import HTTPFailure, error_payload, error_reply, replica_failed
+from app.router.http_errors import HTTPFailure, error_reply, replica_failed
 
 BASE = frozenset({"tiny", "/models/tiny"})
 
@@ -124,14 +127,49 @@ def test_ray_errors_are_retryable_and_unwrapped():
     assert error_reply(wrapped).status == 404
 
 
-def test_in_band_error_payload_round_trips():
-    from app.router.service import ReplicaError
-
-    payload = error_payload(QueueFull("the replica's queue is full", retry_after_s=2))
-    json.dumps(payload)  # crosses Ray as plain data
-    again = error_reply(ReplicaError(payload))
+def test_in_band_failure_round_trips():
+    failure = Failure.of(QueueFull("the replica's queue is full", retry_after_s=2))
+    failure = pickle.loads(pickle.dumps(failure))  # crosses Ray as plain data
+    again = error_reply(RequestFailed(failure))
     assert again.status == 429 and again.headers["Retry-After"] == "2"
     assert again.body["error"]["message"] == "the replica's queue is full"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        UnknownAdapter("model: no adapter 'x'"),
+        InvalidAdapter("lora_A has rank 8, the config says 4"),
+        InvalidRequest("top_p: must be in (0, 1]"),
+        QueueFull("full", retry_after_s=3),
+        AdapterUnavailable("s3 is down; retry later"),
+        CatalogUnavailable("redis://x down"),
+        LoraLandError("a chain stage produced no text"),
+        RuntimeError("secret internals"),
+    ],
+)
+def test_an_in_band_failure_maps_like_the_exception_it_names(exc):
+    """The replica sends Failure.of(exc); the ingress must answer exactly as if exc were raised in it."""
+    direct, in_band = error_reply(exc), error_reply(RequestFailed(Failure.of(exc)))
+    assert (in_band.status, in_band.body, in_band.headers) == (direct.status, direct.body, direct.headers)
+
+
+def test_a_private_error_subclass_travels_as_its_public_base():
+    class _Missing(AdapterUnavailable):
+        pass
+
+    failure = Failure.of(_Missing("hf://org/repo is gone"))
+    assert (failure.kind, failure.retryable) == ("AdapterUnavailable", True)
+    assert error_reply(RequestFailed(failure)).status == 503
+
+
+def test_choice_deltas_merge_into_the_whole_choice():
+    whole = ChoiceDelta(0, "a", None, 3, 1)
+    whole.merge(ChoiceDelta(0, " b", None, 3, 2))
+    whole.merge(ChoiceDelta(0, " c", "length", 3, 3))
+    assert whole == ChoiceDelta(0, "a b c", "length", 3, 3)
+    use = oa.completion_response("id", "m", [whole], oa.usage(3, 3), chat=False)
+    assert use["choices"][0]["text"] == "a b c" and use["choices"][0]["finish_reason"] == "length"
 
 
 def test_sse_framing():

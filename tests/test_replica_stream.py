@@ -1,19 +1,22 @@
-"""The replica's output stream: deltas that pile up while the consumer is busy leave as one item per choice."""
+"""The replica's output stream: deltas that pile up while the consumer is busy leave as one item per choice,
+and the reply speaks app/protocol.py (a ReplicaHello, ChoiceDeltas, or one Failure)."""
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import pytest
 
 from app.config.app_config import AppConfig
+from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest
 from app.replica.core import ReplicaCore
 from app.replica.engine import Delta
 
 
 class BurstKernel:
     """generate() yields its deltas without awaiting in between, as an engine step that finished several
-    tokens before the event loop ran would."""
+    tokens before the event loop ran would; a failed sequence raises its failure, as LLMKernel.generate does."""
 
     def __init__(self, words: list[str], fail_after: int | None = None):
         self.words, self.fail_after = words, fail_after
@@ -21,10 +24,15 @@ class BurstKernel:
     async def generate(self, prompt, adapter, **sampling):
         for i, w in enumerate(self.words):
             if self.fail_after is not None and i == self.fail_after:
-                yield Delta(
-                    "", [], "abort", 3, i, error="adapter x could not be loaded", error_kind="adapter"
+                failed = Delta(
+                    "",
+                    [],
+                    "abort",
+                    3,
+                    i,
+                    failure=Failure("AdapterUnavailable", "adapter x could not be loaded", retryable=True),
                 )
-                return
+                raise failed.failure.to_exception()
             last = i == len(self.words) - 1
             yield Delta(w, [i], "length" if last else None, 3, i + 1)
 
@@ -36,7 +44,7 @@ def core(kernel) -> ReplicaCore:
     return ReplicaCore(AppConfig(model="m", redis_url=None), "r1", kernel=kernel, catalog=None)
 
 
-async def collect(c: ReplicaCore, n: int = 1) -> list[dict]:
+async def collect(c: ReplicaCore, n: int = 1) -> list[ChoiceDelta]:
     return [item async for item in c._fan_in(["p"], None, n, {})]
 
 
@@ -44,9 +52,9 @@ def test_piled_up_deltas_leave_as_one_item_per_choice(monkeypatch):
     monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
     items = asyncio.run(collect(core(BurstKernel([" a", " b", " c"])), n=2))
     # Both choices ran to the end before the consumer first ran: one item each, text and counts whole.
-    assert sorted(i["index"] for i in items) == [0, 1]
+    assert sorted(i.index for i in items) == [0, 1]
     for it in items:
-        assert (it["text"], it["finish_reason"], it["completion_tokens"], it["prompt_tokens"]) == (
+        assert (it.text, it.finish_reason, it.completion_tokens, it.prompt_tokens) == (
             " a b c",
             "length",
             3,
@@ -60,3 +68,19 @@ def test_an_abort_in_a_burst_is_still_raised(monkeypatch):
     monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
     with pytest.raises(AdapterUnavailable, match="could not be loaded"):
         asyncio.run(collect(core(BurstKernel([" a", " b"], fail_after=1))))
+
+
+def test_generate_replies_with_a_hello_then_deltas_or_one_failure(monkeypatch):
+    monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
+
+    async def reply(kernel) -> list:
+        request = ReplicaRequest("cmpl-1", prompts=("p",), n=2)
+        return [item async for item in core(kernel).generate(request)]
+
+    ok = asyncio.run(reply(BurstKernel([" a", " b"])))
+    assert ok[0] == ReplicaHello("r1") and all(isinstance(i, ChoiceDelta) for i in ok[1:])
+    assert sorted(i.index for i in ok[1:]) == [0, 1]
+    failed = asyncio.run(reply(BurstKernel([" a", " b"], fail_after=1)))
+    assert failed[0] == ReplicaHello("r1") and isinstance(failed[-1], Failure)
+    assert failed[-1] == Failure("AdapterUnavailable", "adapter x could not be loaded", retryable=True)
+    assert pickle.loads(pickle.dumps(failed)) == failed  # what crosses Ray is plain picklable data

@@ -1,8 +1,8 @@
 """The plain-Python half of a replica (no Ray): one LLMKernel, adapters pulled on demand through the
 AdapterHub (verified against the catalog's sha256s), heartbeats and catalog events, and `generate`, which
-streams reply items as dicts: first {"replica": id}, then {"index", "text", "finish_reason",
-"prompt_tokens", "completion_tokens"} per new text, or one {"error": {...}, "status"} (errors travel in-band
-so their type and status survive Ray's serialization). app/replica/deployment.py wraps it for Serve.
+answers a `ReplicaRequest` with the reply stream app/protocol.py defines: a `ReplicaHello`, then `ChoiceDelta`s,
+or one `Failure` (errors travel in-band, typed, so they survive Ray's serialization; the ingress alone maps them
+to HTTP statuses). app/replica/deployment.py wraps it for Serve.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
 from app.errors import AdapterUnavailable, LoraLandError
-from app.router.http_errors import error_payload
+from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, ReplyItem
 
 log = logging.getLogger("loraland.replica")
 
@@ -49,7 +49,7 @@ class ReplicaCore:
         self.settings = dataclasses.replace(settings, **changes)
         self.catalog = catalog if catalog is not None else self._connect()
         self.hub = AdapterHub(catalog=self.catalog, settings=self.settings)
-        self.kernel = kernel if kernel is not None else LLMKernel(cfg.model, hub=self.hub, **cfg.kernel)
+        self.kernel = kernel if kernel is not None else LLMKernel(cfg.model, cfg.kernel, hub=self.hub)
         self._held: dict[str, str] = {}  # ref -> name, adapters this replica registered with its kernel
         self._loading: dict[str, asyncio.Future] = {}
         self._stop = threading.Event()
@@ -194,12 +194,14 @@ class ReplicaCore:
             self.kernel.pin(record["name"])
         log.info("loaded adapter %s from %s in %.3fs", record["ref"], record["uri"], time.monotonic() - t0)
 
-    async def inspect(self, uri: str) -> dict:
-        """inspect_adapter's reply as {"ok": summary} or an in-band error payload (for the ingress)."""
+    async def inspect(self, uri: str) -> dict | Failure:
+        """inspect_adapter's summary, or its Failure (sent in-band to the ingress, like generate's)."""
         try:
-            return {"ok": await self.inspect_adapter(uri)}
+            return await self.inspect_adapter(uri)
         except Exception as e:
-            return error_payload(e)
+            if not isinstance(e, LoraLandError):
+                log.exception("inspecting %s failed on replica %s", uri, self.replica_id)
+            return Failure.of(e)
 
     async def inspect_adapter(self, uri: str) -> dict:
         """Fetch an adapter named over HTTP (local roots restricted) and validate it against this base model."""
@@ -213,29 +215,29 @@ class ReplicaCore:
         return {**summary, "base_model": self.kernel.model_config.identity()}
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
-        yield {"replica": self.replica_id}
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
+        yield ReplicaHello(self.replica_id)
         try:
-            for record in request.get("records") or ():
+            for record in request.records:
                 await self.ensure(record)
-            if request.get("messages") is not None:
-                prompts: list = [render_chat(request["messages"], self.kernel.tokenizer)]
+            if request.messages is not None:
+                prompts: list = [render_chat(list(request.messages), self.kernel.tokenizer)]
             else:
-                prompts = list(request["prompts"])
-            adapter = request.get("adapter") or None
-            n = int(request.get("n", 1))
-            sampling = dict(request.get("sampling") or {})
-            async for item in self._fan_in(prompts, adapter, n, sampling):
+                prompts = list(request.prompts)
+            async for item in self._fan_in(
+                prompts, request.adapter or None, request.n, dict(request.sampling)
+            ):
                 yield item
         except Exception as e:
             if not isinstance(e, LoraLandError):
                 log.exception("request failed on replica %s", self.replica_id)
-            yield error_payload(e)
+            yield Failure.of(e)
 
     async def _fan_in(
         self, prompts: list, adapter: str | None, n: int, sampling: dict
-    ) -> AsyncIterator[dict]:
-        """All choices (prompts x n) run concurrently in the kernel's batch; deltas interleave by index."""
+    ) -> AsyncIterator[ChoiceDelta]:
+        """All choices (prompts x n) run concurrently in the kernel's batch; deltas interleave by index. A
+        failed sequence raises out of its kernel stream (LLMKernel.generate), and so out of this one."""
         queue: asyncio.Queue = asyncio.Queue()
         streams = []
         for i, prompt in enumerate(prompts):
@@ -243,7 +245,8 @@ class ReplicaCore:
                 kw = dict(sampling)
                 if n > 1 and kw.get("seed") is not None:
                     kw["seed"] = kw["seed"] + j  # same seed for every choice would repeat one answer n times
-                # generate() validates eagerly: a bad prompt fails here, before any task starts.
+                # kernel.generate is an async generator: nothing runs (or fails) until a pump iterates it, so
+                # a bad prompt's error comes out of the queue like any other.
                 streams.append((i * n + j, self.kernel.generate(prompt, adapter, **kw)))
 
         async def pump(index: int, stream) -> None:
@@ -262,20 +265,17 @@ class ReplicaCore:
                     got.append(queue.get_nowait())
                 # Whatever piled up while the consumer was busy goes out as one item per choice: every item
                 # costs a Ray message and an SSE event downstream, so a lagging stream catches up in one.
-                items: dict[int, dict] = {}
+                items: dict[int, ChoiceDelta] = {}
                 for index, d, exc in got:
                     if exc is not None:
                         raise exc
-                    if d.finish_reason == "abort":
-                        kind = AdapterUnavailable if d.error_kind == "adapter" else RuntimeError
-                        raise kind(d.error or "the request was aborted")
                     if d.finish_reason is not None:
                         remaining -= 1
-                    item = items.setdefault(index, {"index": index, "text": ""})
-                    item["text"] += d.text
-                    item["finish_reason"] = d.finish_reason
-                    item["prompt_tokens"] = d.prompt_tokens
-                    item["completion_tokens"] = d.completion_tokens
+                    delta = ChoiceDelta(index, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens)
+                    if index in items:
+                        items[index].merge(delta)
+                    else:
+                        items[index] = delta
                 for item in items.values():
                     yield item
         finally:

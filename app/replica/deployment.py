@@ -3,7 +3,8 @@
 Requests arrive through the adapter-affinity router with the adapter as the multiplexed model id, but the
 replica does not use `@serve.multiplexed` (one model object per id) or `@serve.batch` (batches split by id):
 the kernel holds all adapters and batches requests of different adapters together itself. The work is done
-by ReplicaCore (app/replica/core.py); this module adapts it to Serve, and to the ingress in-process.
+by ReplicaCore (app/replica/core.py); this module adapts it to Serve, and to the ingress in-process. What
+crosses between them is app/protocol.py's dataclasses, never plain dicts.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.config.app_config import AppConfig
+from app.protocol import Failure, ReplicaRequest, ReplyItem
 from app.replica.core import ReplicaCore
 
 __all__ = ["LocalBackend", "ReplicaCore", "make_replica_deployment"]
@@ -24,10 +26,10 @@ class LocalBackend:
     def __init__(self, core: ReplicaCore):
         self.core = core
 
-    def stream(self, request: dict, model_id: str) -> AsyncIterator[dict]:
+    def stream(self, request: ReplicaRequest, model_id: str) -> AsyncIterator[ReplyItem]:
         return self.core.generate(request)
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any) -> dict | Failure:
         if method != "inspect_adapter":
             raise ValueError(f"unknown replica method {method!r}")
         return await self.core.inspect(*args)
@@ -80,11 +82,11 @@ def make_replica_deployment(cfg: AppConfig):
             )
             self.core.start()
 
-        async def generate(self, request: dict) -> AsyncIterator[dict]:
+        async def generate(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
             async for item in self.core.generate(request):
                 yield item
 
-        async def inspect_adapter(self, uri: str) -> dict:
+        async def inspect_adapter(self, uri: str) -> dict | Failure:
             return await self.core.inspect(uri)
 
         def record_routing_stats(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The one place that maps LoRA-Land's error classes (and Ray's) to HTTP status codes and OpenAI error bodies.
 
-OpenAI's shape: {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}.
+A replica's in-band `Failure` (app/protocol.py) arrives as `RequestFailed` and maps through the same table as
+the exception it names (`Failure.to_exception`). OpenAI's shape: {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from app.errors import (
     QueueFull,
     UnknownAdapter,
 )
+from app.protocol import RequestFailed
 
 # (status, OpenAI error type, code); the first matching class wins, so subclasses come first.
 _TABLE: list[tuple[type[BaseException], int, str, str]] = [
@@ -63,7 +65,10 @@ class ErrorReply:
 
 def _unwrap(exc: BaseException) -> BaseException:
     """Ray wraps a replica's exception in RayTaskError; its cause is what we map. (Only RayTaskError:
-    an ActorDiedError's cause is why the actor died, and the death is what the caller must hear about.)"""
+    an ActorDiedError's cause is why the actor died, and the death is what the caller must hear about.)
+    A replica's in-band failure maps as the exception it names."""
+    if isinstance(exc, RequestFailed):
+        return exc.failure.to_exception()
     try:
         from ray.exceptions import RayTaskError
     except ImportError:  # pragma: no cover - ray is a dependency
@@ -149,12 +154,6 @@ def error_reply(exc: BaseException) -> ErrorReply:
         }
     }
     return ErrorReply(failure.status, body, headers)
-
-
-def error_payload(exc: BaseException) -> dict:
-    """The in-band form a replica streams back: {"error": {...}, "status": int, "retry_after": str|None}."""
-    reply = error_reply(exc)
-    return {**reply.body, "status": reply.status, "retry_after": reply.headers.get("Retry-After")}
 
 
 def replica_failed(exc: BaseException) -> bool:

@@ -21,7 +21,8 @@ from app.config.settings import Settings
 from app.router import openai_schema as oa
 from app.router.auth import Authenticator
 from app.router.http_errors import error_reply
-from app.router.service import CatalogProxy, IngressService, _cancel, _merge, _raise_if_error
+from app.router.replica_client import ReplicaStream, ServeBackend
+from app.router.service import CatalogProxy, IngressService
 
 log = logging.getLogger("loraland.ingress")
 
@@ -46,15 +47,14 @@ def build_api(service: IngressService, auth: Authenticator) -> FastAPI:
         )
         spec, records = await service.resolve(req.model, caller)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
-        payload = service.payload(req, spec, records, chat, rid)
-        model_id = spec.canonical()
+        stream = service.stream(service.request(req, spec, records, chat, rid), spec.canonical())
         if req.stream:
-            return await _stream(service, req, payload, model_id, rid, chat)
-        replica, choices = await service.collect(payload, model_id)
+            return await _stream(service, req, stream, rid, chat)
+        choices = await stream.collect()
         body = oa.completion_response(
             rid, req.model, [choices[i] for i in sorted(choices)], service.usage_of(choices, req.n), chat
         )
-        return JSONResponse(body, headers={REPLICA_HEADER: replica or ""})
+        return JSONResponse(body, headers={REPLICA_HEADER: stream.replica or ""})
 
     def guarded(fn):
         # functools.wraps keeps fn's signature visible to FastAPI (path parameters).
@@ -137,62 +137,42 @@ def build_api(service: IngressService, auth: Authenticator) -> FastAPI:
     return api
 
 
-async def _stream(
-    service: IngressService, req: Any, payload: dict, model_id: str, rid: str, chat: bool
-) -> Response:
+async def _stream(service: IngressService, req: Any, stream: ReplicaStream, rid: str, chat: bool) -> Response:
     # The first output is awaited before answering, so errors found at admission (unknown adapter, prompt too
     # long, queue full) get their real status code instead of a 200 with an error event.
-    replica, first, stream = await service.open(payload, model_id)
+    first = await stream.open()
     include_usage = bool((req.stream_options or {}).get("include_usage"))
 
     async def events() -> AsyncIterator[bytes]:
-        choices: dict[int, dict] = {}
         started: set[int] = set()
         item, done = first, False
         try:
-            while True:
-                _merge(choices, item)
-                idx = item["index"]
-                reason = oa.finish_reason(item["finish_reason"])
-                if item["text"] or reason is not None or idx not in started:
+            while item is not None:
+                idx = item.index
+                reason = oa.finish_reason(item.finish_reason)
+                if item.text or reason is not None or idx not in started:
                     yield oa.sse(
-                        oa.stream_chunk(rid, req.model, idx, item["text"], reason, chat, idx not in started)
+                        oa.stream_chunk(rid, req.model, idx, item.text, reason, chat, idx not in started)
                     )
                     started.add(idx)
-                try:
-                    item = _raise_if_error(await service._next(stream))
-                except StopAsyncIteration:
-                    break
+                item = await stream.next()
             done = True
             if include_usage:
-                yield oa.sse(oa.usage_chunk(rid, req.model, service.usage_of(choices, req.n), chat))
+                yield oa.sse(oa.usage_chunk(rid, req.model, service.usage_of(stream.choices, req.n), chat))
         except Exception as e:
             # Headers are gone: the error travels as an event the openai client raises as APIError.
             reply = error_reply(e)
             yield oa.sse({**reply.body, "status": reply.status})
         finally:
             if not done:
-                _cancel(stream)
+                stream.cancel()
         yield oa.SSE_DONE
 
     return StreamingResponse(
         events(),
         media_type="text/event-stream",
-        headers={REPLICA_HEADER: replica or "", "Cache-Control": "no-cache"},
+        headers={REPLICA_HEADER: stream.replica or "", "Cache-Control": "no-cache"},
     )
-
-
-class ServeBackend:
-    """Calls the replica deployment; the adapter ref rides as the multiplexed model id for the router."""
-
-    def __init__(self, handle: Any):
-        self.handle = handle
-
-    def stream(self, request: dict, model_id: str) -> AsyncIterator[dict]:
-        return self.handle.options(stream=True, multiplexed_model_id=model_id).generate.remote(request)
-
-    async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.handle, method).remote(*args)
 
 
 def make_ingress_deployment(cfg: AppConfig):

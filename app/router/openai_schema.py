@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from app.errors import InvalidRequest
+from app.protocol import ChoiceDelta
 
 MAX_N = 16
 MAX_STOP = 16
@@ -186,22 +188,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_response(rid: str, model: str, choices: list[dict], use: dict, chat: bool) -> dict:
-    """`choices`: [{"index", "text", "finish_reason"}] in index order."""
+def completion_response(rid: str, model: str, choices: Sequence[ChoiceDelta], use: dict, chat: bool) -> dict:
+    """`choices`: each choice's whole output (its deltas merged), in index order."""
     if chat:
         shaped = [
             {
-                "index": c["index"],
-                "message": {"role": "assistant", "content": c["text"]},
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
                 "logprobs": None,
-                "finish_reason": c["finish_reason"],
+                "finish_reason": finish_reason(c.finish_reason),
             }
             for c in choices
         ]
         obj = "chat.completion"
     else:
         shaped = [
-            {"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": None,
+                "finish_reason": finish_reason(c.finish_reason),
+            }
             for c in choices
         ]
         obj = "text_completion"

@@ -1,56 +1,23 @@
-"""What the HTTP routes do, without HTTP: resolve the caller's `model` to adapter versions, run the request on a
-replica (through a Backend) and shape OpenAI replies. The FastAPI layer (ingress.py) only adapts to it.
-
-A Backend streams a request's reply items (see app/replica/deployment.py) from some replica: Ray Serve's
-handle in production (the adapter ref is the multiplexed model id, so the affinity router sees it), or a
-ReplicaCore in the same process for tests of this layer.
+"""What the HTTP routes do, without HTTP: resolve the caller's `model` to adapter versions, build the
+`ReplicaRequest` and run it on a replica (a ReplicaStream over a Backend: app/router/replica_client.py), list
+models and placement, register adapters. The FastAPI layer (ingress.py) only adapts to it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 from app.config.app_config import AppConfig
 from app.errors import CatalogUnavailable, UnknownAdapter
 from app.names import ModelSpec, parse_model, resolved
+from app.protocol import ChoiceDelta, Failure, ReplicaRequest, RequestFailed
 from app.router import openai_schema as oa
 from app.router.auth import Caller
-from app.router.http_errors import HTTPFailure, replica_failed
-
-log = logging.getLogger("loraland.ingress")
+from app.router.replica_client import Backend, ReplicaStream
 
 RECORD_TTL_S = 2.0  # how stale a resolved adapter record may be (a DELETE elsewhere takes this long to bite)
-
-
-class Backend(Protocol):
-    def stream(self, request: dict, model_id: str) -> AsyncIterator[dict]: ...
-
-    async def call(self, method: str, *args: Any) -> Any: ...
-
-
-class ReplicaError(HTTPFailure):
-    """An error a replica reported in-band, with the status and OpenAI fields it chose."""
-
-    def __init__(self, payload: dict):
-        err, retry = payload["error"], payload.get("retry_after")
-        super().__init__(
-            int(payload.get("status", 500)),
-            err.get("message", "error"),
-            type=err.get("type", "server_error"),
-            code=err.get("code"),
-            param=err.get("param"),
-            retry_after_s=float(retry) if retry else None,
-        )
-
-
-def _raise_if_error(item: dict) -> dict:
-    if "error" in item:
-        raise ReplicaError(item)
-    return item
 
 
 class CatalogProxy:
@@ -120,66 +87,27 @@ class IngressService:
         return resolved(spec, versions), records
 
     # ------------------------------------------------------------------ running on a replica
-    async def _next(self, stream: AsyncIterator[dict]) -> dict:
-        return await asyncio.wait_for(stream.__anext__(), timeout=self.cfg.request_timeout_s)
+    def request(self, req: Any, spec: ModelSpec, records: list[Any], chat: bool, rid: str) -> ReplicaRequest:
+        """What the replica needs for a validated OpenAI request `req` resolved to `spec` and `records`."""
+        return ReplicaRequest(
+            request_id=rid,
+            adapter=spec.canonical(),
+            records=tuple(r.to_dict() for r in records),
+            prompts=() if chat else tuple(p if isinstance(p, str) else tuple(p) for p in oa.prompts_of(req)),
+            messages=tuple(oa.messages_of(req)) if chat else None,
+            sampling=oa.sampling_of(req),
+            n=req.n,
+        )
 
-    async def open(self, payload: dict, model_id: str) -> tuple[str | None, dict, AsyncIterator[dict]]:
-        """Start the request and read its first output (or error), retrying once if the replica died first."""
-        for attempt in (0, 1):
-            stream = self.backend.stream(payload, model_id)
-            try:
-                item = await self._next(stream)
-                replica = item.get("replica")
-                if replica is not None:
-                    item = await self._next(stream)
-                return replica, _raise_if_error(item), stream
-            except Exception as e:
-                _cancel(stream)
-                if attempt == 0 and replica_failed(e):
-                    log.warning("replica died before answering %s; retrying once", payload.get("request_id"))
-                    continue
-                raise
-        raise AssertionError("unreachable")
-
-    async def collect(self, payload: dict, model_id: str) -> tuple[str | None, dict[int, dict]]:
-        """Run to completion; a replica death mid-way is retried once (nothing was sent to the client)."""
-        for attempt in (0, 1):
-            choices: dict[int, dict] = {}
-            stream = None
-            try:
-                replica, item, stream = await self.open(payload, model_id)
-                while True:
-                    _merge(choices, item)
-                    try:
-                        item = _raise_if_error(await self._next(stream))
-                    except StopAsyncIteration:
-                        return replica, choices
-            except Exception as e:
-                if stream is not None:
-                    _cancel(stream)
-                if attempt == 0 and replica_failed(e):
-                    continue
-                raise
-        raise AssertionError("unreachable")
-
-    def payload(self, req: Any, spec: ModelSpec, records: list[Any], chat: bool, rid: str) -> dict:
-        out: dict[str, Any] = {
-            "request_id": rid,
-            "adapter": spec.canonical() or None,
-            "records": [r.to_dict() for r in records],
-            "sampling": oa.sampling_of(req),
-            "n": req.n,
-        }
-        if chat:
-            out["messages"] = oa.messages_of(req)
-        else:
-            out["prompts"] = oa.prompts_of(req)
-        return out
+    def stream(self, request: ReplicaRequest, model_id: str) -> ReplicaStream:
+        """The request's reply stream on some replica (nothing is sent until its open() or collect())."""
+        return ReplicaStream(self.backend, request, model_id, self.cfg.request_timeout_s)
 
     @staticmethod
-    def usage_of(choices: dict[int, dict], n: int) -> dict:
-        prompt = sum(c["prompt_tokens"] for i, c in choices.items() if i % n == 0)
-        return oa.usage(prompt, sum(c["completion_tokens"] for c in choices.values()))
+    def usage_of(choices: dict[int, ChoiceDelta], n: int) -> dict:
+        # Every sample of a prompt reports the same prompt tokens: count them once per prompt.
+        prompt = sum(c.prompt_tokens for i, c in choices.items() if i % n == 0)
+        return oa.usage(prompt, sum(c.completion_tokens for c in choices.values()))
 
     # ------------------------------------------------------------------ listings
     async def models(self, caller: Caller) -> dict:
@@ -242,10 +170,9 @@ class IngressService:
         from app.names import check_name
 
         check_name(name)
-        reply = await self.backend.call("inspect_adapter", source)
-        if "error" in reply:
-            raise ReplicaError(reply)
-        info = reply["ok"]
+        info = await self.backend.call("inspect_adapter", source)
+        if isinstance(info, Failure):
+            raise RequestFailed(info)
         record = await asyncio.to_thread(
             lambda: self.catalog.get().register(
                 name,
@@ -263,24 +190,3 @@ class IngressService:
         )
         self.forget(name)
         return record.to_dict()
-
-
-def _merge(choices: dict[int, dict], item: dict) -> None:
-    c = choices.setdefault(item["index"], {"index": item["index"], "text": "", "finish_reason": None})
-    c["text"] += item["text"]
-    c["prompt_tokens"] = item["prompt_tokens"]
-    c["completion_tokens"] = item["completion_tokens"]
-    if item["finish_reason"] is not None:
-        c["finish_reason"] = oa.finish_reason(item["finish_reason"])
-
-
-def _cancel(stream: Any) -> None:
-    """Stop a replica stream we no longer read (Serve's generator has cancel(); a local one has aclose())."""
-    cancel = getattr(stream, "cancel", None)
-    if callable(cancel):
-        try:
-            cancel()
-        except Exception:
-            pass
-    elif hasattr(stream, "aclose"):
-        asyncio.ensure_future(stream.aclose())

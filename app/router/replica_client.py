@@ -1,0 +1,136 @@
+"""The ingress's side of app/protocol.py: send a `ReplicaRequest` to some replica and read its reply stream.
+
+A Backend streams a request's reply items from a replica: Ray Serve's handle in production (`ServeBackend`:
+the adapter ref is the multiplexed model id, so the affinity router sees it), or a ReplicaCore in the same
+process for tests of the HTTP layer (app/replica/deployment.py's LocalBackend). `ReplicaStream` turns the
+items into ChoiceDeltas, raises a replica's in-band Failure as `RequestFailed` (app/router/http_errors.py maps
+it through the same table as any exception), and retries once when the replica died before answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from app.errors import LoraLandError
+from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, ReplyItem, RequestFailed
+from app.router.http_errors import replica_failed
+
+log = logging.getLogger("loraland.ingress")
+
+
+class Backend(Protocol):
+    def stream(self, request: ReplicaRequest, model_id: str) -> AsyncIterator[ReplyItem]: ...
+
+    async def call(self, method: str, *args: Any) -> Any: ...
+
+
+class ServeBackend:
+    """Calls the replica deployment; the adapter ref rides as the multiplexed model id for the router."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    def stream(self, request: ReplicaRequest, model_id: str) -> AsyncIterator[ReplyItem]:
+        return self.handle.options(stream=True, multiplexed_model_id=model_id).generate.remote(request)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await getattr(self.handle, method).remote(*args)
+
+
+class ReplicaStream:
+    """One request's reply from a replica: `open()` for the first delta, `next()` until None, `cancel()` to
+    stop early; or `collect()` for all of it. `choices` accumulates every delta read so far, per choice index
+    (their finish reasons are the kernel's: app/router/openai_schema.finish_reason shapes them for OpenAI)."""
+
+    def __init__(self, backend: Backend, request: ReplicaRequest, model_id: str, timeout_s: float):
+        self.backend, self.request, self.model_id, self.timeout_s = backend, request, model_id, timeout_s
+        self.replica: str | None = None  # which replica answered (ReplicaHello)
+        self.choices: dict[int, ChoiceDelta] = {}
+        self._items: AsyncIterator[ReplyItem] | None = None
+        self._done = False
+
+    async def open(self) -> ChoiceDelta:
+        """Start the request and read its first delta (or failure), retrying once if the replica died first."""
+        for attempt in (0, 1):
+            self._start()
+            try:
+                item = await self._read()
+                if isinstance(item, ReplicaHello):
+                    self.replica = item.replica_id
+                    item = await self._read()
+                return self._take(item)
+            except StopAsyncIteration:
+                raise LoraLandError(
+                    "the replica ended the reply before any output; retry the request"
+                ) from None
+            except Exception as e:
+                self.cancel()
+                if attempt == 0 and replica_failed(e):
+                    log.warning("replica died before answering %s; retrying once", self.request.request_id)
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    async def next(self) -> ChoiceDelta | None:
+        """The next delta, or None when the reply is complete; a Failure raises RequestFailed."""
+        try:
+            item = await self._read()
+        except StopAsyncIteration:
+            self._done = True
+            return None
+        return self._take(item)
+
+    async def collect(self) -> dict[int, ChoiceDelta]:
+        """Run to completion; a replica death mid-way is retried once (nothing was sent to the client)."""
+        for attempt in (0, 1):
+            try:
+                await self.open()
+                while await self.next() is not None:
+                    pass
+                return self.choices
+            except Exception as e:
+                self.cancel()
+                if attempt == 0 and replica_failed(e):
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    def cancel(self) -> None:
+        """Stop a stream we no longer read (Serve's generator has cancel(); a local one has aclose())."""
+        stream, self._items = self._items, None
+        if stream is None or self._done:
+            return
+        cancel = getattr(stream, "cancel", None)
+        if callable(cancel):
+            try:
+                cancel()
+            except Exception:
+                pass
+        elif hasattr(stream, "aclose"):
+            asyncio.ensure_future(stream.aclose())
+
+    # ------------------------------------------------------------------ internals
+    def _start(self) -> None:
+        self.replica, self.choices, self._done = None, {}, False
+        self._items = self.backend.stream(self.request, self.model_id)
+
+    async def _read(self) -> ReplyItem:
+        if self._items is None:
+            raise LoraLandError("the replica stream was cancelled; open the request again")
+        return await asyncio.wait_for(self._items.__anext__(), timeout=self.timeout_s)
+
+    def _take(self, item: ReplyItem) -> ChoiceDelta:
+        if isinstance(item, Failure):
+            raise RequestFailed(item)
+        if not isinstance(item, ChoiceDelta):
+            raise LoraLandError(f"the replica sent {type(item).__name__} where a ChoiceDelta belongs")
+        held = self.choices.get(item.index)
+        if held is None:  # a copy: the caller may still read `item` after later deltas fold into ours
+            self.choices[item.index] = dataclasses.replace(item)
+        else:
+            held.merge(item)
+        return item
