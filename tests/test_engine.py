@@ -1,12 +1,20 @@
 """The engine against HF transformers, token for token in fp32: staggered async arrivals, preemption,
-prefix caching, seeded sampling, stops and input validation."""
+prefix caching, seeded sampling, stops and input validation (through LLMKernel); and the Engine alone: text
+equal to decoding all output ids, typed failures, no adapter manager."""
 
 import asyncio
 import random
 
 import pytest
+import torch
 
+from app.config.model_config import ModelConfig
 from app.errors import InvalidRequest
+from app.protocol import Failure
+from app.replica.engine import Delta, Engine, EngineConfig
+from app.replica.lora.null import NullAdapters
+from app.replica.model import Model
+from app.replica.sampling import SamplingParams
 from loraland import LLMKernel
 from tests.hf_oracle import hf_greedy, load_hf
 
@@ -125,10 +133,10 @@ def test_stops_and_finish_reasons(llama_dir):
             assert c.finish_reason == "stop" and c.text == text[: text.find(needle)]
         # eos is honoured unless ignore_eos
         eos = k.tokenizer.eos_token_id
-        k.engine.eos_ids = {full.token_ids[2]}
+        k.engine.outputs.eos_ids = {full.token_ids[2]}
         c = k.complete(["hello world"], max_tokens=12)[0]
         assert c.finish_reason == "stop" and len(c.token_ids) <= 3
-        k.engine.eos_ids = {eos}
+        k.engine.outputs.eos_ids = {eos}
 
 
 def test_streamed_text_equals_final_text(llama_dir):
@@ -209,3 +217,106 @@ def test_sharded_checkpoint_and_hub_cache_id(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
     with LLMKernel("tiny-org/tiny-llama", dtype="float32", num_kv_blocks=32) as k:
         assert k.complete([prompt], max_tokens=6, ignore_eos=True)[0].token_ids == ref
+
+
+# ---------------------------------------------------------------------- the Engine alone (no LLMKernel)
+@pytest.fixture(scope="module")
+def model_and_tok(llama_dir):
+    from transformers import AutoTokenizer
+
+    model = Model(llama_dir, ModelConfig.from_folder(llama_dir), torch.float32, torch.device("cpu"))
+    return model, AutoTokenizer.from_pretrained(llama_dir)
+
+
+def engine_of(model_and_tok, adapters=None) -> Engine:
+    model, tok = model_and_tok
+    cfg = EngineConfig(max_model_len=512, num_kv_blocks=64)
+    e = Engine(model, tok, cfg) if adapters is None else Engine(model, tok, cfg, adapters)
+    e.start()
+    return e
+
+
+def collect(
+    engine: Engine, prompt: list[int], params: SamplingParams, adapter: str | None = None
+) -> list[Delta]:
+    async def run():
+        return [d async for d in engine.stream(prompt, params, adapter=adapter)]
+
+    return asyncio.run(run())
+
+
+def test_engine_text_equals_decoding_all_output_ids(model_and_tok):
+    _, tok = model_and_tok
+    engine = engine_of(model_and_tok)
+    try:
+        prompt = tok.encode("the quick brown fox", add_special_tokens=False)
+        ds = collect(engine, prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        ids = [t for d in ds for t in d.token_ids]
+        full = tok.decode(ids, skip_special_tokens=True)
+        assert len(ids) == 200 and ds[-1].finish_reason == "length"
+        assert "".join(d.text for d in ds) == full
+        assert (ds[-1].prompt_tokens, ds[-1].completion_tokens) == (len(prompt), 200)
+        # a stop string from the middle of that text cuts it there (greedy: the same tokens again)
+        needle = next(full[i : i + 3] for i in range(len(full) // 2, len(full)) if full[i : i + 3].strip())
+        ds = collect(engine, prompt, SamplingParams(max_tokens=200, ignore_eos=True, stop=(needle, "zzzz")))
+        assert ds[-1].finish_reason == "stop"
+        assert "".join(d.text for d in ds) == full[: full.find(needle)]
+        assert engine.allocator.num_used == 0
+    finally:
+        engine.stop()
+
+
+def test_engine_without_adapter_manager_refuses_adapter_requests(model_and_tok):
+    engine = engine_of(model_and_tok)
+    try:
+        assert isinstance(engine.adapters, NullAdapters)
+        with pytest.raises(InvalidRequest, match="base model only"):
+            engine.add([5, 6, 7], SamplingParams(), lambda d: None, adapter="sql@1")
+        assert collect(engine, [5, 6, 7], SamplingParams(max_tokens=3))[-1].finish_reason in (
+            "length",
+            "stop",
+        )
+    finally:
+        engine.stop()
+
+
+class ColdAdapters(NullAdapters):
+    """Every adapter is cold and its load fails."""
+
+    def __init__(self):
+        self.finished_seqs = []
+
+    def submitted(self, key: str) -> None:
+        pass
+
+    def admit(self, seq) -> bool:
+        return seq.adapter is None
+
+    def finished(self, seq) -> None:
+        self.finished_seqs.append(seq)
+
+    def poll(self) -> dict[str, str]:
+        return {"x@1": "no such file"}
+
+
+def test_failures_are_typed(model_and_tok, monkeypatch):
+    adapters = ColdAdapters()
+    engine = engine_of(model_and_tok, adapters)
+    try:
+        ds = collect(engine, [5, 6, 7], SamplingParams(max_tokens=3), adapter="x@1")
+        assert len(ds) == 1 and ds[0].finish_reason == "abort"
+        assert ds[0].failure == Failure(
+            "AdapterUnavailable", "adapter x@1 could not be loaded: no such file", retryable=True
+        )
+        assert [s.adapter for s in adapters.finished_seqs] == ["x@1"]
+
+        def boom(*args):
+            raise RuntimeError("kaput")
+
+        monkeypatch.setattr(engine.model, "forward", boom)
+        ds = collect(engine, [5, 6, 7], SamplingParams(max_tokens=3))
+        assert ds[-1].finish_reason == "abort"
+        assert ds[-1].failure == Failure("internal", "internal error in the engine step: kaput")
+        assert engine.allocator.num_used == 0
+    finally:
+        engine.stop()

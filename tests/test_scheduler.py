@@ -6,13 +6,13 @@ from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence, Status
 
 
-def seq(i, n_prompt, max_tokens=4, adapter_key=""):
+def seq(i, n_prompt, max_tokens=4, adapter=None):
     return Sequence(
         i,
         list(range(1, n_prompt + 1)),
         SamplingParams(max_tokens=max_tokens),
         arrival=float(i),
-        adapter_key=adapter_key,
+        adapter=adapter,
     )
 
 
@@ -98,7 +98,7 @@ def test_prefix_cache_hits_only_same_adapter():
     while s.has_work():
         run_step(s)
     same = seq(1, 13, max_tokens=1)
-    other = seq(2, 13, max_tokens=1, adapter_key="sql@1")
+    other = seq(2, 13, max_tokens=1, adapter="sql@1")
     s.add(same)
     b = s.schedule()
     assert b.items[0].start == 12  # three full blocks reused, the last token recomputed
@@ -121,3 +121,11 @@ def test_admit_hook_skips_cold_adapter_without_blocking_queue():
     s.commit(b)
     b = s.schedule()
     assert cold in [it.seq for it in b.items]
+
+
+def test_token_range_reads_prompt_and_output_without_joining():
+    s = seq(0, 5)
+    s.output_ids = [100, 101, 102]
+    for start in range(8):
+        for stop in range(start, 9):
+            assert s.token_range(start, stop) == s.all_ids[start:stop]

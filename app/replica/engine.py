@@ -10,13 +10,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import torch
-
 from app.errors import InvalidRequest, QueueFull
+from app.protocol import Failure
+from app.replica.batch_builder import BatchBuilder
 from app.replica.kv_cache import BlockAllocator, KVCache
-from app.replica.model import ForwardBatch, Model, PrefillAttn
+from app.replica.lora.null import AdapterHooks, NullAdapters
+from app.replica.model import Model
+from app.replica.outputs import Delta, OutputProcessor
 from app.replica.sampling import SamplingParams, sample
-from app.replica.scheduler import Batch, Scheduler, SchedulerConfig
+from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
 
 log = logging.getLogger("loraland.engine")
@@ -46,35 +48,12 @@ class EngineConfig:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
 
 
-@dataclass
-class Delta:
-    """New output of one request since the previous delta."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None  # set when the request failed (finish_reason "abort")
-    error_kind: str | None = None  # "adapter" (its adapter could not be loaded) or "internal"
-
-
-class _Detok:
-    """Incremental detokenization that holds back text which may still become a stop string or a split
-    multi-byte character."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tok, self.stops = tokenizer, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.sent = 0  # characters already emitted
-        self.sent_tokens = 0
-
-    def text(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-
 class Engine:
-    def __init__(self, model: Model, tokenizer, config: EngineConfig, adapters=None):
+    """Requests enter through `add` (any thread); one thread runs `step()` while there is work."""
+
+    def __init__(
+        self, model: Model, tokenizer, config: EngineConfig, adapters: AdapterHooks = NullAdapters()
+    ):
         self.model, self.tok, self.cfg, self.adapters = model, tokenizer, config, adapters
         c = model.cfg
         self.allocator = BlockAllocator(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -87,15 +66,17 @@ class Engine:
             model.dtype,
             model.device,
         )
-        hooks = {} if adapters is None else {"admit": adapters.admit, "release": adapters.release}
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens, config.block_size),
             self.allocator,
-            **hooks,
+            admit=self.adapters.admit,
+            release=self.adapters.release,
         )
-        self.eos_ids = set(c.eos_token_ids) | (
+        self.builder = BatchBuilder(config.block_size, model.device, self.adapters)
+        eos = set(c.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         )
+        self.outputs = OutputProcessor(tokenizer, eos, config.max_model_len)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -103,7 +84,6 @@ class Engine:
         self._aborts: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.steps = 0
 
     # ------------------------------------------------------------------ submission (any thread)
     def add(
@@ -113,8 +93,8 @@ class Engine:
         on_delta: Callable[[Delta], None],
         *,
         adapter: str | None = None,
-        adapter_key: str = "",
     ) -> Sequence:
+        """Queue a request; `adapter` is the adapter manager's key (None = base model)."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty: give at least one token")
         n = len(prompt_ids)
@@ -133,15 +113,8 @@ class Engine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks but the cache "
                 f"has {self.cfg.num_kv_blocks} of {self.cfg.block_size} tokens: lower max_tokens or the prompt"
             )
-        seq = Sequence(
-            next(self._ids),
-            list(prompt_ids),
-            params,
-            adapter=adapter,
-            adapter_key=adapter_key,
-            arrival=time.monotonic(),
-        )
-        seq.ctx = (on_delta, _Detok(self.tok, params.stop))
+        seq = Sequence(next(self._ids), list(prompt_ids), params, adapter=adapter, arrival=time.monotonic())
+        seq.output = self.outputs.state(params, on_delta)
         with self._lock:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.cfg.max_waiting:
                 raise QueueFull(
@@ -182,15 +155,13 @@ class Engine:
                     break
             try:
                 if not self.step():
-                    with (
-                        self._lock
-                    ):  # only cold adapters are waiting: sleep until a load lands or input arrives
+                    # only cold adapters are waiting: sleep until a load lands or input arrives
+                    with self._lock:
                         self._wake.wait(timeout=0.005)
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("engine step failed")
-                self._fail_running(f"internal error in the engine step: {e}")
-        if self.adapters is not None:
-            self.adapters.close()
+                self._fail_running(Failure("internal", f"internal error in the engine step: {e}"))
+        self.adapters.close()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, "abort")
 
@@ -211,22 +182,14 @@ class Engine:
     def step(self) -> bool:
         """One iteration; returns False when nothing could run."""
         self._drain()
-        if self.adapters is not None:
-            failed = self.adapters.poll()
-            for seq in [s for s in self.scheduler.waiting if s.adapter in failed]:
-                self._finish(
-                    seq,
-                    "abort",
-                    f"adapter {seq.adapter} could not be loaded: {failed[seq.adapter]}",
-                    "adapter",
-                )
+        failed = self.adapters.poll()
+        for seq in [s for s in self.scheduler.waiting if s.adapter in failed]:
+            message = f"adapter {seq.adapter} could not be loaded: {failed[seq.adapter]}"
+            self._finish(seq, "abort", Failure("AdapterUnavailable", message, retryable=True))
         batch = self.scheduler.schedule()
         if not batch.items:
             return False
-        self.steps += 1
-        if self.adapters is not None:
-            batch.items.sort(key=lambda it: self.adapters.sort_key(it.seq))
-        fb, sampled_items = self._build(batch)
+        fb, sampled_items = self.builder.build(batch)
         logits = self.model.forward(fb, self.kv)
         tokens = sample(
             logits, [it.seq.params for it in sampled_items], [it.seq.sampler for it in sampled_items]
@@ -236,109 +199,30 @@ class Engine:
             self._append(it.seq, tok)
         return True
 
-    def _build(self, batch: Batch):
-        bs = self.cfg.block_size
-        ids, pos, slots = [], [], []
-        dec_idx, dec_tables, dec_lens, prefills, logits_idx, sampled = [], [], [], [], [], []
-        seqs_tokens = []
-        for it in batch.items:
-            seq, start, n = it.seq, it.start, it.num_tokens
-            t0 = len(ids)
-            all_ids = seq.all_ids
-            ids.extend(all_ids[start : start + n])
-            rng = range(start, start + n)
-            pos.extend(rng)
-            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in rng)
-            if n == 1:
-                dec_idx.append(t0)
-                dec_tables.append(seq.block_ids)
-                dec_lens.append(start + 1)
-            else:
-                nblk = -(-(start + n) // bs)
-                prefills.append(
-                    PrefillAttn(torch.arange(t0, t0 + n), start + n, torch.tensor(seq.block_ids[:nblk]))
-                )
-            if it.samples:
-                logits_idx.append(t0 + n - 1)
-                sampled.append(it)
-            seqs_tokens.append((seq, n))
-        dev = self.model.device
-        fb = ForwardBatch(
-            input_ids=torch.tensor(ids, device=dev),
-            positions=torch.tensor(pos, device=dev),
-            slot_mapping=torch.tensor(slots, device=dev),
-            decode_idx=None,
-            decode_block_tables=None,
-            decode_ctx_lens=None,
-            prefills=prefills,
-            logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-        )
-        if dec_idx:
-            width = max(len(t) for t in dec_tables)
-            fb.decode_idx = torch.tensor(dec_idx, device=dev)
-            fb.decode_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in dec_tables], device=dev
-            )
-            fb.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
-        if self.adapters is not None:
-            fb.lora = self.adapters.lora_batch(seqs_tokens)
-        return fb, sampled
-
     # ------------------------------------------------------------------ outputs
     def _append(self, seq: Sequence, tok: int) -> None:
-        p = seq.params
-        seq.output_ids.append(tok)
-        on_delta, dt = seq.ctx
-        reason = None
-        hide_last = False
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-            reason, hide_last = "stop", True
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
-            reason = "length"
-        text = dt.text(seq.output_ids[:-1] if hide_last else seq.output_ids)
-        if p.stop:
-            start = max(0, dt.sent - dt.hold)
-            hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
-            if hits:
-                text = text[: min(hits)[0]]
-                reason = "stop"
-        if reason is None:
-            cut = len(text) - dt.hold
-            while cut > dt.sent and text[cut - 1] == "\ufffd":  # an unfinished multi-byte character
-                cut -= 1
-            new_text = text[dt.sent : cut] if cut > dt.sent else ""
-        else:
-            new_text = text[dt.sent :]
-            self.scheduler.finish(seq, reason)
-            if self.adapters is not None:
-                self.adapters.finished(seq)
-        dt.sent += len(new_text)
-        new_ids = seq.output_ids[dt.sent_tokens :]
-        dt.sent_tokens = len(seq.output_ids)
-        on_delta(Delta(new_text, new_ids, reason, len(seq.prompt_ids), len(seq.output_ids)))
+        delta = self.outputs.append(seq, tok)
+        if delta.finish_reason is not None:
+            self.scheduler.finish(seq, delta.finish_reason)
+            self.adapters.finished(seq)
+        seq.output.on_delta(delta)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, kind: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, failure: Failure | None = None) -> None:
         if seq.is_finished:
             return
         self.scheduler.finish(seq, reason)
-        if self.adapters is not None:
-            self.adapters.finished(seq)
-        on_delta, dt = seq.ctx
-        on_delta(Delta("", [], reason, len(seq.prompt_ids), len(seq.output_ids), error, kind))
+        self.adapters.finished(seq)
+        seq.output.on_delta(Delta("", [], reason, len(seq.prompt_ids), len(seq.output_ids), failure))
 
-    def _fail_running(self, message: str) -> None:
+    def _fail_running(self, failure: Failure) -> None:
         for seq in list(self.scheduler.running):
-            self._finish(seq, "abort", message, "internal")
+            self._finish(seq, "abort", failure)
 
     # ------------------------------------------------------------------ asyncio front
     async def stream(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        adapter: str | None = None,
-        adapter_key: str = "",
+        self, prompt_ids: list[int], params: SamplingParams, *, adapter: str | None = None
     ) -> AsyncIterator[Delta]:
+        """The request's deltas, the last one with a finish_reason; closing the iterator early aborts it."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
 
@@ -348,7 +232,7 @@ class Engine:
             except RuntimeError:  # the consumer's loop is gone
                 pass
 
-        seq = self.add(prompt_ids, params, push, adapter=adapter, adapter_key=adapter_key)
+        seq = self.add(prompt_ids, params, push, adapter=adapter)
         done = False
         try:
             while not done:

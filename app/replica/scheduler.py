@@ -17,9 +17,11 @@ from app.replica.sequence import Sequence, Status
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_size: int = 32
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    """The engine builds this from its EngineConfig, the one place the defaults live."""
+
+    max_batch_size: int
+    max_num_batched_tokens: int
+    block_size: int
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_num_batched_tokens < 1:
@@ -137,7 +139,7 @@ class Scheduler:
         ids = seq.all_ids
         parent = None
         for j in range((len(ids) - 1) // bs):
-            h = block_hash(parent, tuple(ids[j * bs : (j + 1) * bs]), seq.adapter_key)
+            h = block_hash(parent, tuple(ids[j * bs : (j + 1) * bs]), seq.adapter or "")
             bid = self.alloc.lookup(h)
             if bid is None:
                 break
@@ -194,10 +196,9 @@ class Scheduler:
         for it in batch.items:
             seq = it.seq
             seq.num_computed = it.start + it.num_tokens
-            ids = seq.all_ids
             while len(seq.block_hashes) < seq.num_computed // bs:
                 j = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
-                h = block_hash(parent, tuple(ids[j * bs : (j + 1) * bs]), seq.adapter_key)
+                h = block_hash(parent, tuple(seq.token_range(j * bs, (j + 1) * bs)), seq.adapter or "")
                 self.alloc.register(seq.block_ids[j], h)
                 seq.block_hashes.append(h)

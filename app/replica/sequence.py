@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from app.replica.sampling import SamplerState, SamplingParams
+
+if TYPE_CHECKING:  # the output side imports nothing from here at run time; keep sequence.py a leaf
+    from app.replica.outputs import OutputState
 
 
 class Status(enum.Enum):
@@ -20,8 +23,9 @@ class Sequence:
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    adapter: str | None = None  # resolved adapter name (None = base model)
-    adapter_key: str = ""  # adapter identity in prefix-cache hashes: "name@version", "" = base
+    # The adapter manager's key ("name@version" or a merge key; None = base model). It is also the adapter
+    # identity in prefix-cache hashes, so the same tokens under two adapters never share KV.
+    adapter: str | None = None
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -31,12 +35,21 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     sampler: SamplerState = field(default_factory=SamplerState)
-    # engine-side bookkeeping (detokenizer state, output callback); the scheduler never reads it
-    ctx: Any = None
+    # the output side's state (delta callback, detokenizer offsets); the scheduler never reads it
+    output: OutputState | None = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without copying the whole sequence (a decode step reads one token)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
 
     @property
     def num_tokens(self) -> int:

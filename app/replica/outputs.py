@@ -1,0 +1,105 @@
+"""The output side of the engine: sampled tokens -> Deltas (incremental text, stop strings, stop tokens).
+
+Text is decoded incrementally, vLLM-style: only a window of output tokens from `prefix_offset` is decoded per
+token, and the text that window adds past `read_offset` is committed once it no longer ends in U+FFFD (a
+multi-byte character split across tokens). The cost per token is bounded by the window, not the output length.
+
+What a request receives is exactly what decoding all its output ids (skip_special_tokens=True) at every step
+would give: text that may still become a stop string (the longest stop string's length - 1 characters) and
+trailing U+FFFD characters are held back until the next token or the end; a stop string cuts the text before
+it; a stop token (or EOS) ends the request and is left out of the text. To keep that exact, the state holds a
+short `tail` of the text: the last held-back characters plus up to `hold` already-sent ones, where a stop string
+that ends in new text may begin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from app.protocol import Failure
+from app.replica.sampling import SamplingParams
+from app.replica.sequence import Sequence
+
+
+@dataclass
+class Delta:
+    """New output of one request since the previous delta."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    failure: Failure | None = None  # set when the request failed (finish_reason "abort")
+
+
+@dataclass
+class OutputState:
+    """One request's output side: where its deltas go and how far its text has been decoded and sent."""
+
+    on_delta: Callable[[Delta], None]
+    stops: tuple[str, ...]
+    hold: int  # characters held back because they may begin a stop string
+    prefix_offset: int = 0  # output tokens [prefix_offset, read_offset) decode to `prefix_text`
+    read_offset: int = 0  # output tokens before it are committed text
+    prefix_text: str = ""
+    pending: str = ""  # what the tokens past read_offset add so far (ends in U+FFFD, or is empty)
+    tail: str = ""  # committed text from (sent characters - hold) on, at most
+    tail_sent: int = 0  # how many characters of `tail + pending` were already sent
+    sent_tokens: int = 0
+
+
+class OutputProcessor:
+    """Turns each sampled token of a sequence into its Delta (the engine applies the finish and sends it)."""
+
+    def __init__(self, tokenizer, eos_ids: Iterable[int], max_model_len: int):
+        self.tok = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.max_model_len = max_model_len
+
+    def state(self, params: SamplingParams, on_delta: Callable[[Delta], None]) -> OutputState:
+        return OutputState(on_delta, params.stop, max((len(s) for s in params.stop), default=1) - 1)
+
+    def append(self, seq: Sequence, tok: int) -> Delta:
+        """Add the sampled token to the sequence; the Delta's finish_reason says whether it ended."""
+        p, st = seq.params, seq.output
+        seq.output_ids.append(tok)
+        reason = None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            reason = "stop"  # the stop token is not part of the text: decode nothing new
+        else:
+            if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            self._decode(st, seq.output_ids)
+        text = st.tail + st.pending
+        if st.stops:
+            start = max(0, st.tail_sent - st.hold)
+            hits = [(i, s) for s in st.stops if (i := text.find(s, start)) >= 0]
+            if hits:
+                text = text[: min(hits)[0]]
+                reason = "stop"
+        if reason is None:
+            cut = len(text) - st.hold
+            while cut > st.tail_sent and text[cut - 1] == "\ufffd":  # an unfinished multi-byte character
+                cut -= 1
+            new_text = text[st.tail_sent : cut] if cut > st.tail_sent else ""
+        else:
+            new_text = text[st.tail_sent :]
+        st.tail_sent += len(new_text)
+        # keep only what a later stop string may still start in: the last `hold` sent characters on
+        drop = min(len(st.tail), max(0, st.tail_sent - st.hold))
+        st.tail, st.tail_sent = st.tail[drop:], st.tail_sent - drop
+        new_ids = seq.output_ids[st.sent_tokens :]
+        st.sent_tokens = len(seq.output_ids)
+        return Delta(new_text, new_ids, reason, len(seq.prompt_ids), len(seq.output_ids))
+
+    def _decode(self, st: OutputState, ids: list[int]) -> None:
+        text = self.tok.decode(ids[st.prefix_offset :], skip_special_tokens=True)
+        if len(text) > len(st.prefix_text) and not text.endswith("\ufffd"):
+            st.tail += text[len(st.prefix_text) :]
+            st.pending = ""
+            st.prefix_offset, st.read_offset = st.read_offset, len(ids)
+            st.prefix_text = self.tok.decode(ids[st.prefix_offset : st.read_offset], skip_special_tokens=True)
+        else:
+            st.pending = text[len(st.prefix_text) :]
