@@ -1,0 +1,116 @@
+"""The import graph follows the request's path (docs/ARCHITECTURE.md, "Who may import whom").
+
+Checked twice: statically over every module's source (so a lazy import inside a function counts too), and by
+importing a layer in a fresh interpreter and listing what it pulled in.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A module matching a prefix on the left may not import any module matching a prefix on the right.
+FORBIDDEN: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
+    # The shared vocabulary sits below everything.
+    (
+        ("app.errors", "app.names", "app.files", "app.protocol", "app.config"),
+        ("app.replica", "app.router", "app.catalog", "app.cli", "app.demo", "app.main", "kernels"),
+    ),
+    # Kernels are plain torch/triton.
+    (("kernels",), ("app",)),
+    # The engine and everything under it know nothing of Redis, S3, HTTP or Ray Serve.
+    (
+        (
+            "app.replica.engine",
+            "app.replica.outputs",
+            "app.replica.batch_builder",
+            "app.replica.model",
+            "app.replica.kv_cache",
+            "app.replica.scheduler",
+            "app.replica.sequence",
+            "app.replica.sampling",
+            "app.replica.lora",
+        ),
+        ("app.catalog", "app.router", "app.cli", "app.demo", "app.main", "ray"),
+    ),
+    # The replica side never imports the router (the ingress alone maps errors to HTTP).
+    (("app.replica",), ("app.router", "app.cli", "app.demo", "app.main")),
+    # The router talks to replicas through app.protocol and Ray handles, not replica modules.
+    (("app.router",), ("app.replica", "app.cli", "app.demo", "app.main", "kernels")),
+    # The catalog is a service both sides use; it uses neither.
+    (("app.catalog",), ("app.replica", "app.router", "app.cli", "app.demo", "app.main", "kernels")),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def _matches(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _sources() -> list[Path]:
+    return sorted(p for d in ("app", "kernels") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_static_import_graph_follows_the_layers():
+    violations = []
+    for path in _sources():
+        mod = _module_name(path)
+        for who, banned in FORBIDDEN:
+            if not _matches(mod, who):
+                continue
+            for imp in sorted(_imports(path)):
+                if _matches(imp, banned):
+                    violations.append(f"{mod} imports {imp}")
+    assert not violations, "layering violations:\n" + "\n".join(violations)
+
+
+def test_the_checker_sees_lazy_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from app.router.http_errors import error_reply\n    import ray.serve\n")
+    assert {"app.router.http_errors", "app.router.http_errors.error_reply", "ray.serve"} <= _imports(f)
+
+
+@pytest.mark.parametrize(
+    "module, banned",
+    [
+        ("app.replica.engine", ("app.catalog", "app.router", "ray")),
+        ("app.replica.model", ("app.catalog", "app.router", "ray")),
+        ("kernels.lora", ("app",)),
+        ("app.replica.core", ("app.router",)),
+        ("app.replica.kernel", ("app.router",)),
+        ("app.router.service", ("app.replica",)),
+        ("app.catalog.store", ("app.replica", "app.router")),
+    ],
+)
+def test_importing_a_layer_pulls_in_nothing_above_it(module, banned):
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    bad = [m for m in loaded if _matches(m, banned)]
+    assert not bad, f"import {module} loaded {bad}"
