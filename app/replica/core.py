@@ -209,7 +209,7 @@ class ReplicaCore:
 
         path = await asyncio.to_thread(self.hub.fetch, uri, untrusted=True)
         await asyncio.to_thread(
-            read_adapter, path, self.kernel.model_config, max_rank=getattr(self.kernel, "max_lora_rank", 64)
+            read_adapter, path, self.kernel.model_config, max_rank=self.kernel.config.max_lora_rank
         )
         summary = await asyncio.to_thread(adapter_summary, path)
         return {**summary, "base_model": self.kernel.model_config.identity()}

@@ -94,8 +94,7 @@ def make_replica_deployment(cfg: AppConfig):
 
         def check_health(self) -> None:
             # The kernel's step loop runs on its own thread; if it died, no request can finish here.
-            t = getattr(getattr(self.core.kernel, "engine", None), "_thread", None)
-            if t is not None and not t.is_alive():
+            if not self.core.kernel.engine.is_alive():
                 raise RuntimeError("the kernel's step loop died")
 
         def __del__(self):

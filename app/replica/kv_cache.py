@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 
-def block_hash(parent: bytes | None, tokens: tuple[int, ...], adapter_key: str) -> bytes:
+def block_hash(parent: bytes | None, tokens: tuple[int, ...], adapter: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
-    h.update(adapter_key.encode())
+    h.update(adapter.encode())
     h.update(b"|")
     h.update(",".join(map(str, tokens)).encode())
     return h.digest()

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from app.config.kernel_config import KernelConfig
 from app.config.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from app.files import sha256_file
 from app.replica.lora import peft_config as C
@@ -77,7 +78,7 @@ def read_adapter(
     folder: str | Path,
     model: ModelConfig,
     *,
-    max_rank: int = 64,
+    max_rank: int = KernelConfig.max_lora_rank,
     name: str | None = None,
     max_bytes: int | None = None,
 ) -> LoraWeights:
