@@ -90,6 +90,7 @@ class ReplicaRequest:
     messages: tuple[dict[str, str], ...] | None = None  # a chat; rendered by the replica's tokenizer
     sampling: dict[str, Any] = field(default_factory=dict)
     n: int = 1
+    tenant: str | None = None  # the caller's tenant, for fair admission (None: no auth, or the admin)
 
 
 @dataclass(frozen=True)

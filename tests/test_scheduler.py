@@ -1,5 +1,10 @@
-"""Scheduler and block allocator, pure Python: no tensors, no model."""
+"""Scheduler and block allocator, pure Python: no tensors, no model. Every scheduling test runs under both
+admission policies: with one tenant (these tests' requests have none) VTC admits in arrival order, as FCFS does.
+Fairness between tenants is tests/test_fairness.py's."""
 
+import pytest
+
+from app.replica.fairness import make_policy
 from app.replica.kv_cache import BlockAllocator
 from app.replica.sampling import SamplingParams
 from app.replica.scheduler import Scheduler, SchedulerConfig
@@ -27,13 +32,19 @@ def run_step(s: Scheduler, token=7):
     return b
 
 
-def make(num_blocks=64, bs=4, max_batch=8, budget=32, caching=True, **hooks):
+def make(num_blocks=64, bs=4, max_batch=8, budget=32, caching=True, policy="fcfs", **hooks):
     alloc = BlockAllocator(num_blocks, bs, caching)
-    return Scheduler(SchedulerConfig(max_batch, budget, bs), alloc, **hooks), alloc
+    return Scheduler(
+        SchedulerConfig(max_batch, budget, bs), alloc, policy=make_policy(policy), **hooks
+    ), alloc
 
 
-def test_budget_and_batch_size_respected():
-    s, _ = make(max_batch=3, budget=10)
+policies = pytest.mark.parametrize("policy", ["fcfs", "vtc"])
+
+
+@policies
+def test_budget_and_batch_size_respected(policy):
+    s, _ = make(max_batch=3, budget=10, policy=policy)
     for i in range(6):
         s.add(seq(i, 8))
     b = s.schedule()
@@ -48,8 +59,9 @@ def test_budget_and_batch_size_respected():
     assert not s.has_work()
 
 
-def test_preemption_takes_newest_and_nothing_is_lost():
-    s, alloc = make(num_blocks=6, bs=4, max_batch=8, budget=64)
+@policies
+def test_preemption_takes_newest_and_nothing_is_lost(policy):
+    s, alloc = make(num_blocks=6, bs=4, max_batch=8, budget=64, policy=policy)
     seqs = [seq(i, 7, max_tokens=6) for i in range(3)]
     for x in seqs:
         s.add(x)
@@ -64,8 +76,9 @@ def test_preemption_takes_newest_and_nothing_is_lost():
     assert alloc.num_used == 0
 
 
-def test_no_starvation_oldest_finishes_first_under_pressure():
-    s, _ = make(num_blocks=8, bs=4, max_batch=4, budget=16)
+@policies
+def test_no_starvation_oldest_finishes_first_under_pressure(policy):
+    s, _ = make(num_blocks=8, bs=4, max_batch=4, budget=16, policy=policy)
     seqs = [seq(i, 6, max_tokens=5) for i in range(10)]
     for x in seqs:
         s.add(x)
@@ -79,8 +92,9 @@ def test_no_starvation_oldest_finishes_first_under_pressure():
     assert order[0] == 0 and order.index(0) < order.index(9)
 
 
-def test_abort_frees_blocks():
-    s, alloc = make()
+@policies
+def test_abort_frees_blocks(policy):
+    s, alloc = make(policy=policy)
     a, b = seq(0, 10), seq(1, 10)
     s.add(a)
     s.add(b)
@@ -91,8 +105,9 @@ def test_abort_frees_blocks():
     assert alloc.num_used == 0 and a.finish_reason == "abort" and not s.has_work()
 
 
-def test_prefix_cache_hits_only_same_adapter():
-    s, alloc = make(bs=4)
+@policies
+def test_prefix_cache_hits_only_same_adapter(policy):
+    s, alloc = make(bs=4, policy=policy)
     first = seq(0, 13, max_tokens=1)
     s.add(first)
     while s.has_work():
@@ -107,10 +122,13 @@ def test_prefix_cache_hits_only_same_adapter():
     assert [it.start for it in b2.items if it.seq is other] == [0]
 
 
-def test_admit_hook_skips_cold_adapter_without_blocking_queue():
+@policies
+def test_admit_hook_skips_cold_adapter_without_blocking_queue(policy):
     ready = {"hot"}
     released = []
-    s, _ = make(admit=lambda q: q.adapter in ready or q.adapter is None, release=released.append)
+    s, _ = make(
+        admit=lambda q: q.adapter in ready or q.adapter is None, release=released.append, policy=policy
+    )
     cold, hot = seq(0, 5), seq(1, 5)
     cold.adapter, hot.adapter = "cold", "hot"
     s.add(cold)

@@ -9,6 +9,9 @@ from typing import Any
 # What `dtype` may be; app/replica/model.py's resolve_dtype maps each to a torch dtype ("auto": the model's
 # dtype on CUDA, bf16 on CPUs with fast bf16, else fp32).
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+# Admission between tenants (app/replica/fairness.py): "vtc", the Virtual Token Counter (fair shares of weighted
+# tokens; per-tenant weights from the catalog via LLMKernel.set_tenant_weights), or "fcfs", arrival order.
+SCHEDULING_POLICIES = ("vtc", "fcfs")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class KernelConfig:
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True
     max_waiting: int = 4096  # queued sequences before QueueFull (HTTP 429)
+    scheduling_policy: str = "vtc"  # one of SCHEDULING_POLICIES
+    # VTC's cost of a token (the paper's w_p, w_q): an output token costs twice a prompt token, as decoding one
+    # costs far more time than prefilling one.
+    vtc_prompt_weight: float = 1.0
+    vtc_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):  # a torch.dtype, as LLMKernel always accepted: keep its name
@@ -49,6 +57,15 @@ class KernelConfig:
             raise ValueError(
                 f"device must be 'auto' or a torch device string such as 'cpu', got {self.device!r}"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        for name in ("vtc_prompt_weight", "vtc_output_weight"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf"):
+                raise ValueError(f"{name} must be a positive number, got {w!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"

@@ -55,6 +55,7 @@ class ReplicaCore:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._unsubscribe = None
+        self._tenant_weights: dict[str, float] | None = None  # what the kernel was last given
 
     def _connect(self):
         if not self.settings.redis_url:
@@ -113,6 +114,18 @@ class ReplicaCore:
             ttl_s=self.cfg.heartbeat_ttl_s,
             extra={"device_resident": s["device_resident"], "running": s["running"], **self.extra},
         )
+        self.sync_tenant_weights()
+
+    def sync_tenant_weights(self) -> None:
+        """Fair shares from the catalog's tenant records (`weight`, 1 when absent); a bad value keeps the old."""
+        try:
+            rows = self.catalog.list_tenants()
+            weights = {t["name"]: float(t["weight"]) for t in rows if t.get("weight") is not None}
+            if weights != self._tenant_weights:
+                self.kernel.set_tenant_weights(weights)
+                self._tenant_weights = weights
+        except Exception as e:
+            log.warning("tenant weights not updated from the catalog (%s); keeping the previous ones", e)
 
     def _on_event(self, event: dict) -> None:
         name, kind = event.get("name"), event.get("type")
@@ -225,7 +238,7 @@ class ReplicaCore:
             else:
                 prompts = list(request.prompts)
             async for item in self._fan_in(
-                prompts, request.adapter or None, request.n, dict(request.sampling)
+                prompts, request.adapter or None, request.n, dict(request.sampling), tenant=request.tenant
             ):
                 yield item
         except Exception as e:
@@ -234,7 +247,7 @@ class ReplicaCore:
             yield Failure.of(e)
 
     async def _fan_in(
-        self, prompts: list, adapter: str | None, n: int, sampling: dict
+        self, prompts: list, adapter: str | None, n: int, sampling: dict, *, tenant: str | None = None
     ) -> AsyncIterator[ChoiceDelta]:
         """All choices (prompts x n) run concurrently in the kernel's batch; deltas interleave by index. A
         failed sequence raises out of its kernel stream (LLMKernel.generate), and so out of this one."""
@@ -247,7 +260,7 @@ class ReplicaCore:
                     kw["seed"] = kw["seed"] + j  # same seed for every choice would repeat one answer n times
                 # kernel.generate is an async generator: nothing runs (or fails) until a pump iterates it, so
                 # a bad prompt's error comes out of the queue like any other.
-                streams.append((i * n + j, self.kernel.generate(prompt, adapter, **kw)))
+                streams.append((i * n + j, self.kernel.generate(prompt, adapter, tenant=tenant, **kw)))
 
         async def pump(index: int, stream) -> None:
             try:

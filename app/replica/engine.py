@@ -14,6 +14,7 @@ from app.config.kernel_config import KernelConfig
 from app.errors import InvalidRequest, QueueFull
 from app.protocol import Failure
 from app.replica.batch_builder import BatchBuilder
+from app.replica.fairness import AdmissionPolicy
 from app.replica.kv_cache import BlockAllocator, KVCache
 from app.replica.lora.null import AdapterHooks, NullAdapters
 from app.replica.model import Model
@@ -52,7 +53,12 @@ class Engine:
     """Requests enter through `add` (any thread); one thread runs `step()` while there is work."""
 
     def __init__(
-        self, model: Model, tokenizer, config: EngineConfig, adapters: AdapterHooks = NullAdapters()
+        self,
+        model: Model,
+        tokenizer,
+        config: EngineConfig,
+        adapters: AdapterHooks = NullAdapters(),
+        policy: AdmissionPolicy | None = None,  # admission between tenants; None: first come first served
     ):
         self.model, self.tok, self.cfg, self.adapters = model, tokenizer, config, adapters
         c = model.cfg
@@ -71,6 +77,7 @@ class Engine:
             self.allocator,
             admit=self.adapters.admit,
             release=self.adapters.release,
+            policy=policy,
         )
         self.builder = BatchBuilder(config.block_size, model.device, self.adapters)
         eos = set(c.eos_token_ids) | (
@@ -93,8 +100,10 @@ class Engine:
         on_delta: Callable[[Delta], None],
         *,
         adapter: str | None = None,
+        tenant: str | None = None,
     ) -> Sequence:
-        """Queue a request; `adapter` is the adapter manager's key (None = base model)."""
+        """Queue a request; `adapter` is the adapter manager's key (None = base model), `tenant` whose request it
+        is for fair admission (None = the anonymous tenant)."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty: give at least one token")
         n = len(prompt_ids)
@@ -113,7 +122,14 @@ class Engine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks but the cache "
                 f"has {self.cfg.num_kv_blocks} of {self.cfg.block_size} tokens: lower max_tokens or the prompt"
             )
-        seq = Sequence(next(self._ids), list(prompt_ids), params, adapter=adapter, arrival=time.monotonic())
+        seq = Sequence(
+            next(self._ids),
+            list(prompt_ids),
+            params,
+            adapter=adapter,
+            arrival=time.monotonic(),
+            tenant=tenant,
+        )
         seq.output = self.outputs.state(params, on_delta)
         with self._lock:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.cfg.max_waiting:
@@ -224,7 +240,12 @@ class Engine:
 
     # ------------------------------------------------------------------ asyncio front
     async def stream(
-        self, prompt_ids: list[int], params: SamplingParams, *, adapter: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        adapter: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[Delta]:
         """The request's deltas, the last one with a finish_reason; closing the iterator early aborts it."""
         loop = asyncio.get_running_loop()
@@ -236,7 +257,7 @@ class Engine:
             except RuntimeError:  # the consumer's loop is gone
                 pass
 
-        seq = self.add(prompt_ids, params, push, adapter=adapter)
+        seq = self.add(prompt_ids, params, push, adapter=adapter, tenant=tenant)
         done = False
         try:
             while not done:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +21,8 @@ from app.protocol import Failure
 from app.replica.adapter_reader import AdapterReader
 from app.replica.composition import Composition
 from app.replica.engine import Delta, Engine, EngineConfig
+from app.replica.fairness import make_policy
+from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
 from app.replica.model import Model, resolve_dtype
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
@@ -79,8 +81,10 @@ class LLMKernel:
             dtype=self.dtype,
             device=self.model.device,
             on_ready=lambda: self.engine.wake(),
+            base_weights=BaseWeights(folder),  # DoRA adapters' factors are computed from the checkpoint
         )
         self.composition = Composition(self.adapter_manager, (self.model_id,))
+        self.fairness = make_policy(cfg.scheduling_policy, cfg.vtc_prompt_weight, cfg.vtc_output_weight)
         self.engine = Engine(
             self.model,
             self.tokenizer,
@@ -94,6 +98,7 @@ class LLMKernel:
                 max_waiting=cfg.max_waiting,
             ),
             adapters=self.adapter_manager,
+            policy=self.fairness,
         )
         self.engine.start()
         log.info(
@@ -154,6 +159,11 @@ class LLMKernel:
     def adapters(self) -> list[str]:
         return self.adapter_manager.names()
 
+    def set_tenant_weights(self, weights: Mapping[str | None, float]) -> None:
+        """Replace the tenants' shares under the "vtc" policy (tenant -> positive weight; one not named weighs 1,
+        None is the anonymous tenant): weight 2 gets twice the tokens of weight 1 while both wait."""
+        self.fairness.set_weights(weights)
+
     def set_adaptive_chain(self, names: Seq[str] | None) -> None:
         """Requests that name no adapter run through this chain (also addressable as "a|b"); None clears it."""
         self.composition.set_chain(names)
@@ -167,10 +177,10 @@ class LLMKernel:
         raise InvalidRequest("each prompt must be a string or a list of token ids")
 
     async def generate(
-        self, prompt: Prompt, adapter_id: str | None = None, **sampling
+        self, prompt: Prompt, adapter_id: str | None = None, *, tenant: str | None = None, **sampling
     ) -> AsyncIterator[Delta]:
         """Stream Deltas for one prompt (abandoning the iterator aborts the request). A chain runs its
-        earlier stages to completion and streams the last one."""
+        earlier stages to completion and streams the last one. `tenant`: whose request, for fair admission."""
         params = SamplingParams.from_kwargs(**sampling)
         ids = self._prompt_ids(prompt)
         stages = self.composition.lookup(adapter_id)
@@ -180,7 +190,7 @@ class LLMKernel:
         for i, key in enumerate(stages):
             last = i == len(stages) - 1
             text = ""
-            async for d in self.engine.stream(ids, params, adapter=key):
+            async for d in self.engine.stream(ids, params, adapter=key, tenant=tenant):
                 if d.failure is not None:
                     raise d.failure.to_exception()
                 if last:
@@ -192,7 +202,12 @@ class LLMKernel:
                 ids = self._stage_output(text, params)
 
     def complete(
-        self, prompts: Seq[Prompt], adapter_ids: Seq[str | None] | None = None, **sampling
+        self,
+        prompts: Seq[Prompt],
+        adapter_ids: Seq[str | None] | None = None,
+        *,
+        tenant: str | None = None,
+        **sampling,
     ) -> list[Completion]:
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -209,7 +224,7 @@ class LLMKernel:
             todo = [i for i in range(len(prompts)) if depth < len(stages[i])]
             if not todo:
                 break
-            outs = self._run([(ids[i], stages[i][depth]) for i in todo], params)
+            outs = self._run([(ids[i], stages[i][depth]) for i in todo], params, tenant)
             for i, c in zip(todo, outs):
                 if depth == len(stages[i]) - 1:
                     c.prompt_tokens = n_prompt[i]
@@ -226,7 +241,9 @@ class LLMKernel:
             raise InvalidRequest("a chain stage produced no text to feed the next stage; raise max_tokens")
         return nxt[-(self.max_model_len - params.max_tokens) :] if len(nxt) >= self.max_model_len else nxt
 
-    def _run(self, jobs: list[tuple[list[int], str | None]], params: SamplingParams) -> list[Completion]:
+    def _run(
+        self, jobs: list[tuple[list[int], str | None]], params: SamplingParams, tenant: str | None = None
+    ) -> list[Completion]:
         """Run prompts (each under its adapter key) in the shared batch; block until all have finished."""
         done = threading.Semaphore(0)
         results = [Completion("", [], "", 0) for _ in jobs]
@@ -246,7 +263,7 @@ class LLMKernel:
             return on_delta
 
         for i, (ids, key) in enumerate(jobs):
-            self.engine.add(ids, params, collector(i), adapter=key)
+            self.engine.add(ids, params, collector(i), adapter=key, tenant=tenant)
         for _ in jobs:
             done.acquire()
         for f in failures:

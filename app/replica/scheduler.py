@@ -3,6 +3,8 @@
 Pure Python over `Sequence` and `BlockAllocator`; the engine turns a `Batch` into tensors. Preemption is by
 recompute: the victim's blocks are freed and it re-enters the waiting queue at its arrival position, so
 no request is lost and its output is unchanged (its sampled tokens become part of what is recomputed).
+Which waiting request is admitted next is the admission policy's call (app/replica/fairness.py): arrival order
+(FCFS), or between tenants by the Virtual Token Counter; running sequences are served oldest first either way.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.replica.fairness import AdmissionPolicy, FirstComeFirstServed
 from app.replica.kv_cache import BlockAllocator, block_hash
 from app.replica.sequence import Sequence, Status
 
@@ -60,7 +63,8 @@ def _nothing(_: Sequence) -> None:
 
 class Scheduler:
     """`admit(seq)` may refuse a waiting sequence (its adapter is not resident yet): it is skipped, not blocking
-    the queue. `release(seq)` is called whenever a sequence stops running (finished, aborted, preempted)."""
+    the queue. `release(seq)` is called whenever a sequence stops running (finished, aborted, preempted).
+    `policy` orders admission (default: first come first served)."""
 
     def __init__(
         self,
@@ -68,8 +72,10 @@ class Scheduler:
         allocator: BlockAllocator,
         admit: Callable[[Sequence], bool] = _always,
         release: Callable[[Sequence], None] = _nothing,
+        policy: AdmissionPolicy | None = None,
     ):
         self.config = config
+        self.policy: AdmissionPolicy = policy if policy is not None else FirstComeFirstServed()
         self.alloc = allocator
         self.admit = admit
         self.release = release
@@ -80,11 +86,16 @@ class Scheduler:
     # ----------------------------------------------------------------- queue management
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self._insert_waiting(seq)
+        self._insert_waiting(seq, arrival=True)
 
-    def _insert_waiting(self, seq: Sequence) -> None:
+    def _insert_waiting(self, seq: Sequence, arrival: bool) -> None:
         keys = [s.arrival for s in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, seq.arrival), seq)
+        self.policy.enqueued(seq, arrival)
+
+    def _remove_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self.policy.dequeued(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,7 +110,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
-            self.waiting.remove(seq)
+            self._remove_waiting(seq)
         self._free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
@@ -118,7 +129,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._insert_waiting(seq)
+        self._insert_waiting(seq, arrival=False)
         self.release(seq)
 
     # ----------------------------------------------------------------- scheduling
@@ -169,9 +180,9 @@ class Scheduler:
                 continue
             # seq itself was preempted; everything after it was too
             break
-        # 2. admit waiting sequences in arrival order while there is room
+        # 2. admit waiting sequences in the policy's order while there is room
         if not batch.preempted:
-            for seq in list(self.waiting):
+            for seq in self.policy.order(self.waiting):
                 if budget <= 0 or len(self.running) >= self.config.max_batch_size:
                     break
                 if not self.admit(seq):
@@ -183,7 +194,8 @@ class Scheduler:
                     self._free(seq)
                     self.release(seq)
                     break  # head of line keeps its place: no starvation of old requests
-                self.waiting.remove(seq)
+                self._remove_waiting(seq)
+                self.policy.admitted(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
@@ -191,10 +203,13 @@ class Scheduler:
         return batch
 
     def commit(self, batch: Batch) -> None:
-        """After the forward: mark the fed tokens computed and register newly filled blocks for reuse."""
+        """After the forward: mark the fed tokens computed, register newly filled blocks for reuse, and charge
+        the policy one output token for every sequence that samples (the engine appends it next)."""
         bs = self.config.block_size
         for it in batch.items:
             seq = it.seq
+            if it.samples:
+                self.policy.sampled(seq)
             seq.num_computed = it.start + it.num_tokens
             while len(seq.block_hashes) < seq.num_computed // bs:
                 j = len(seq.block_hashes)

@@ -27,6 +27,7 @@ class Sequence:
     # identity in prefix-cache hashes, so the same tokens under two adapters never share KV.
     adapter: str | None = None
     arrival: float = 0.0
+    tenant: str | None = None  # whose request (None: the anonymous tenant); the admission policy's key
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
@@ -34,6 +35,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
     finish_reason: str | None = None
     num_preemptions: int = 0
+    prompt_charged: bool = False  # the VTC charged its prompt at first admission; a recompute is not charged
     sampler: SamplerState = field(default_factory=SamplerState)
     # the output side's state (delta callback, detokenizer offsets); the scheduler never reads it
     output: OutputState | None = None

@@ -47,7 +47,7 @@ def build_api(service: IngressService, auth: Authenticator) -> FastAPI:
         )
         spec, records = await service.resolve(req.model, caller)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
-        stream = service.stream(service.request(req, spec, records, chat, rid), spec.canonical())
+        stream = service.stream(service.request(req, spec, records, chat, rid, caller), spec.canonical())
         if req.stream:
             return await _stream(service, req, stream, rid, chat)
         choices = await stream.collect()

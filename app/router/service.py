@@ -87,8 +87,17 @@ class IngressService:
         return resolved(spec, versions), records
 
     # ------------------------------------------------------------------ running on a replica
-    def request(self, req: Any, spec: ModelSpec, records: list[Any], chat: bool, rid: str) -> ReplicaRequest:
-        """What the replica needs for a validated OpenAI request `req` resolved to `spec` and `records`."""
+    def request(
+        self,
+        req: Any,
+        spec: ModelSpec,
+        records: list[Any],
+        chat: bool,
+        rid: str,
+        caller: Caller | None = None,
+    ) -> ReplicaRequest:
+        """What the replica needs for a validated OpenAI request `req` resolved to `spec` and `records`; the
+        caller's tenant goes along for the replica's fair admission."""
         return ReplicaRequest(
             request_id=rid,
             adapter=spec.canonical(),
@@ -97,6 +106,7 @@ class IngressService:
             messages=tuple(oa.messages_of(req)) if chat else None,
             sampling=oa.sampling_of(req),
             n=req.n,
+            tenant=caller.tenant if caller is not None else None,
         )
 
     def stream(self, request: ReplicaRequest, model_id: str) -> ReplicaStream:

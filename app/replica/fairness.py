@@ -1,0 +1,179 @@
+"""Who is admitted next when several tenants wait: first come first served, or the Virtual Token Counter.
+
+VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024, Algorithm 2): every tenant has a
+counter of the weighted service it received, `w_prompt * prompt tokens + w_output * output tokens`, divided by
+the tenant's weight (the paper's weighted VTC). Admission takes the earliest waiting request of the backlogged
+tenant with the smallest counter; within a tenant it is first come first served. The paper's bound: for two
+tenants that stay backlogged over any interval, their service differs by at most 2 * max(w_prompt * L_input,
+w_output * M) (L_input the longest prompt, M the most tokens a running batch holds), divided by the smaller
+weight when weights differ.
+
+The choices this implementation makes, against the paper:
+- Prompt tokens are charged at admission, the whole prompt at once, as the paper does (its prefill is one
+  step): with chunked prefill the prompt is then computed over several steps, already paid for. A prefix-cache
+  hit is charged in full too: the tenant is served the prompt either way.
+- Output tokens are charged as they are sampled, one per sampled token, as the paper's per-step update does.
+- Preemption (by recompute) charges nothing again: the prompt is charged once per request, and recomputing
+  already sampled tokens samples nothing. A preempted request re-entering the queue is not an arrival, so no
+  counter lift either.
+- Counter lift, the paper's rule: when a request arrives from a tenant with no waiting request, its counter
+  rises to the smallest counter among the tenants that are waiting; when nobody waits, to the counter of the
+  last tenant that left the waiting queue. An idle tenant so banks no credit to come back and monopolize.
+- A request whose adapter is not resident (the scheduler's `admit` hook refuses it) is skipped, and its tenant's
+  next request is tried: a cold adapter blocks neither its tenant nor anyone else.
+- Tenant None (no tenant: auth off, or the admin) is one tenant, "anonymous", of weight 1 unless set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+from app.config.kernel_config import SCHEDULING_POLICIES
+from app.replica.sequence import Sequence
+
+# The paper's linear cost: an output token costs twice a prompt token (its experiments use w_p=1, w_q=2).
+W_PROMPT = 1.0
+W_OUTPUT = 2.0
+
+_NOBODY = object()  # "no tenant has left the queue yet" (None is a tenant: the anonymous one)
+
+
+class AdmissionPolicy(Protocol):
+    """What the scheduler asks of a policy; every call is on the engine thread, except `set_weights`."""
+
+    def enqueued(
+        self, seq: Sequence, arrival: bool
+    ) -> None: ...  # joined the waiting queue (False: preempted)
+    def dequeued(self, seq: Sequence) -> None: ...  # left the waiting queue (admitted, aborted, failed)
+    def order(self, waiting: list[Sequence]) -> Iterator[Sequence]: ...  # candidates, in admission order
+    def admitted(self, seq: Sequence) -> None: ...  # a candidate was admitted (later picks may change)
+    def sampled(self, seq: Sequence) -> None: ...  # one output token was sampled for seq
+    def set_weights(self, weights: Mapping[str | None, float]) -> None: ...
+
+
+class FirstComeFirstServed:
+    """Arrival order, tenants ignored (the scheduler's behaviour before fairness)."""
+
+    def enqueued(self, seq: Sequence, arrival: bool) -> None:
+        pass
+
+    def dequeued(self, seq: Sequence) -> None:
+        pass
+
+    def order(self, waiting: list[Sequence]) -> Iterator[Sequence]:
+        return iter(list(waiting))
+
+    def admitted(self, seq: Sequence) -> None:
+        pass
+
+    def sampled(self, seq: Sequence) -> None:
+        pass
+
+    def set_weights(self, weights: Mapping[str | None, float]) -> None:
+        pass
+
+
+class VirtualTokenCounter:
+    """Per-tenant counters of weighted service; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        w_prompt: float = W_PROMPT,
+        w_output: float = W_OUTPUT,
+        weights: Mapping[str | None, float] | None = None,
+    ):
+        for name, w in (("w_prompt", w_prompt), ("w_output", w_output)):
+            if not _positive(w):
+                raise ValueError(f"VTC {name} must be a positive number, got {w!r}")
+        self.w_prompt, self.w_output = float(w_prompt), float(w_output)
+        self.counters: dict[str | None, float] = {}
+        self._weights: dict[str | None, float] = {}
+        self._waiting: Counter[str | None] = Counter()  # tenant -> its requests in the waiting queue
+        self._last_left: object = _NOBODY
+        if weights:
+            self.set_weights(weights)
+
+    # ------------------------------------------------------------------ weights (any thread)
+    def set_weights(self, weights: Mapping[str | None, float]) -> None:
+        """Replace every tenant's weight (a tenant not named has weight 1). A tenant of weight 2 is served
+        twice the tokens of a tenant of weight 1 while both wait. Counters keep their value."""
+        checked = {}
+        for tenant, w in weights.items():
+            if not _positive(w):
+                raise ValueError(f"tenant {tenant!r}: weight must be a positive number, got {w!r}")
+            checked[tenant] = float(w)
+        self._weights = checked  # one assignment: the engine thread sees the old or the new map, whole
+
+    def weight(self, tenant: str | None) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def counter(self, tenant: str | None) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    # ------------------------------------------------------------------ the waiting queue
+    def enqueued(self, seq: Sequence, arrival: bool) -> None:
+        t = seq.tenant
+        if arrival and self._waiting[t] == 0:
+            self._lift(t)
+        self._waiting[t] += 1
+
+    def _lift(self, tenant: str | None) -> None:
+        others = [self.counter(u) for u, n in self._waiting.items() if n > 0 and u != tenant]
+        if others:
+            floor = min(others)
+        elif self._last_left is not _NOBODY:
+            floor = self.counter(self._last_left)  # type: ignore[arg-type]
+        else:
+            return
+        self.counters[tenant] = max(self.counter(tenant), floor)
+
+    def dequeued(self, seq: Sequence) -> None:
+        t = seq.tenant
+        self._waiting[t] -= 1
+        if self._waiting[t] <= 0:
+            del self._waiting[t]
+            self._last_left = t
+
+    def order(self, waiting: list[Sequence]) -> Iterator[Sequence]:
+        """The head of the smallest-counter tenant, again and again; re-read after every yield, so a charge
+        made by `admitted` moves the next pick. Ties go to the tenant whose head arrived first."""
+        queues: dict[str | None, deque[Sequence]] = {}
+        for seq in waiting:  # `waiting` is in arrival order, so each deque is too
+            queues.setdefault(seq.tenant, deque()).append(seq)
+        while queues:
+            t = min(queues, key=lambda u: (self.counter(u), queues[u][0].arrival))
+            q = queues[t]
+            seq = q.popleft()
+            if not q:
+                del queues[t]
+            yield seq
+
+    # ------------------------------------------------------------------ charging
+    def admitted(self, seq: Sequence) -> None:
+        if seq.prompt_charged:  # re-admitted after preemption: its prompt was paid for
+            return
+        seq.prompt_charged = True
+        self._charge(seq.tenant, self.w_prompt * len(seq.prompt_ids))
+
+    def sampled(self, seq: Sequence) -> None:
+        self._charge(seq.tenant, self.w_output)
+
+    def _charge(self, tenant: str | None, cost: float) -> None:
+        self.counters[tenant] = self.counter(tenant) + cost / self.weight(tenant)
+
+
+def make_policy(
+    name: str, w_prompt: float = W_PROMPT, w_output: float = W_OUTPUT
+) -> FirstComeFirstServed | VirtualTokenCounter:
+    if name == "vtc":
+        return VirtualTokenCounter(w_prompt, w_output)
+    if name == "fcfs":
+        return FirstComeFirstServed()
+    raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")
+
+
+def _positive(w: object) -> bool:
+    return not isinstance(w, bool) and isinstance(w, (int, float)) and math.isfinite(w) and w > 0
