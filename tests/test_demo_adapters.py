@@ -162,7 +162,7 @@ def test_loraland_demo_serves_live_results_and_stops_everything_on_ctrl_c(assets
     port = free_port()
     log = tmp_path / "demo.log"
     env = {k: v for k, v in os.environ.items() if k != "LORALAND_REDIS_URL"}
-    argv = [sys.executable, "-m", "app.demo.run_demo", "demo", "--assets", str(assets), "--port", str(port)]
+    argv = [sys.executable, "-m", "app.cli", "demo", "--assets", str(assets), "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

@@ -31,7 +31,7 @@ def test_loraland_serve_starts_serves_and_cleans_up(llama_dir, tmp_path):
         "OMP_NUM_THREADS": "1",
     }
     env.pop("LORALAND_REDIS_URL", None)
-    argv = [sys.executable, "-m", "app.cli.serve", "serve", "--model", str(llama_dir), "--port", str(port)]
+    argv = [sys.executable, "-m", "app.cli", "serve", "--model", str(llama_dir), "--port", str(port)]
     argv += ["--no-auth", "--replica-cpus", "0.5", "--adapter-store", str(store), "--replica-gpus", "0"]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)

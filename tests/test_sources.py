@@ -9,16 +9,16 @@ import os
 import subprocess
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import boto3
 import pytest
 
-from app.catalog import s3 as s3mod
-from app.catalog.disk_cache import DiskCache
-from app.catalog.sources import AdapterHub, hash_folder
+from app.catalog.sources import AdapterHub, hash_folder, s3_api
+from app.catalog.sources.disk_cache import DiskCache
 from app.catalog.store import Catalog
-from app.config.settings import Settings
+from app.config.settings import S3Settings, Settings
 from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest, UnknownAdapter
 from tests.fixtures.services import (  # noqa: F401  (fixtures, until conftest registers the plugin)
     aws_env,
@@ -47,8 +47,9 @@ def bucket(aws):
 
 
 @pytest.fixture
-def hub(tmp_path):
-    return AdapterHub(settings=Settings(cache_dir=tmp_path / "cache"))
+def hub(tmp_path, aws):
+    # S3 settings passed in, as a replica's come from Settings.from_env() (the env is set too, for boto3 here).
+    return AdapterHub(settings=Settings(cache_dir=tmp_path / "cache", s3=S3Settings.from_env(aws_env(aws))))
 
 
 def _s3(endpoint):
@@ -118,16 +119,15 @@ def test_s3_errors_are_clear_and_unavailable(hub, bucket, aws, tmp_path):
         hub.fetch("ftp://host/a")
 
 
-def test_s3_access_denied(hub, bucket, aws, tmp_path, monkeypatch):
+def test_s3_access_denied(hub, bucket, aws, tmp_path):
     files = hub.upload(write_tiny_adapter(tmp_path / "a"), f"s3://{bucket}/a")
     with s3_denied_reader(aws) as env:
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
+        denied = AdapterHub(settings=replace(hub.settings, s3=S3Settings.from_env(env)))
         with pytest.raises(AdapterUnavailable, match=r"access denied \(AccessDenied\).*credentials"):
-            hub.fetch(f"s3://{bucket}/a", files=files)
+            denied.fetch(f"s3://{bucket}/a", files=files)
         with pytest.raises(AdapterUnavailable, match="access denied"):
-            hub.upload(write_tiny_adapter(tmp_path / "b"), f"s3://{bucket}/b", overwrite=True)
-    assert hub.cache.entries() == []
+            denied.upload(write_tiny_adapter(tmp_path / "b"), f"s3://{bucket}/b", overwrite=True)
+    assert hub.cache.entries() == [] and denied.cache.root == hub.cache.root
 
 
 @pytest.mark.parametrize("key", ["evil/../../escape.json", "evil//abs.json", "evil/./a.json"])
@@ -163,7 +163,7 @@ def test_disk_cache_is_lru_by_bytes(bucket, aws, tmp_path):
     assert hub.fetch(f"s3://{bucket}/lru/0", files=manifests[0]) == a  # ...and "a" just used (a hit)
     c = hub.fetch(f"s3://{bucket}/lru/2", files=manifests[2])
     assert a.exists() and c.exists() and not b.exists()
-    assert hub.cache.total_bytes() <= int(size * 2.5)
+    assert sum(e["size"] for e in hub.cache.entries()) <= int(size * 2.5)
     assert {e["key"] for e in hub.cache.entries()} == {a.name, c.name}
 
 
@@ -182,8 +182,8 @@ def test_disk_cache_ignores_entries_without_manifest(tmp_path):
 
 
 def test_multipart_upload(hub, bucket, aws, tmp_path, monkeypatch):
-    monkeypatch.setattr(s3mod, "MULTIPART_THRESHOLD", 5 << 20)
-    monkeypatch.setattr(s3mod, "MULTIPART_CHUNK", 5 << 20)
+    monkeypatch.setattr(s3_api, "MULTIPART_THRESHOLD", 5 << 20)
+    monkeypatch.setattr(s3_api, "MULTIPART_CHUNK", 5 << 20)
     src = write_tiny_adapter(tmp_path / "a")
     (src / "extra.safetensors").write_bytes(os.urandom((5 << 20) + 12345))
     files = hub.upload(src, f"s3://{bucket}/big")

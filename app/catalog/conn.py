@@ -1,4 +1,5 @@
-"""The Redis connection behind the catalog, and the one place connection failures become CatalogUnavailable."""
+"""The Redis connection behind the catalog (shared by its registry, tenants and replicas parts), and the one place
+connection failures become CatalogUnavailable."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from app.catalog import lua
 from app.errors import CatalogUnavailable, InvalidRequest
 
 
@@ -51,3 +53,24 @@ def guard(fn: Callable) -> Callable:
             ) from None
 
     return wrapper
+
+
+class CatalogConnection:
+    """What every part of the catalog shares: one Redis client (thread-safe: redis-py pools connections), the
+    key namespace, the change-event channel and the Lua scripts (app/catalog/lua.py), registered once."""
+
+    SCRIPTS = (
+        "REGISTER", "GET", "REMOVE", "PIN",  # registry.py
+        "CREATE_TENANT", "ROTATE_KEY",  # tenants.py
+        "HEARTBEAT", "REPLICAS", "PLACEMENT", "DROP_REPLICA",  # replicas.py
+    )  # fmt: skip
+
+    def __init__(self, url: str, namespace: str = "loraland") -> None:
+        self._r = connect(url)
+        self.url = redact_url(url)
+        self.ns = namespace
+        self._channel = f"{namespace}:events"
+        self._scripts = {name: self._r.register_script(getattr(lua, name)) for name in self.SCRIPTS}
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.ns, *parts))

@@ -1,7 +1,7 @@
 """Lua scripts behind the catalog's atomic writes: each runs as one step inside Redis, so a reader never sees
 half a registration and two writers racing on one name get distinct versions.
 
-Key layout under the namespace NS (see store.py): NS:adapters (set of names), NS:adapter:<name> (hash:
+Key layout under the namespace NS (CatalogConnection._k in conn.py): NS:adapters (set of names), NS:adapter:<name> (hash:
 'latest', 'pinned', 'v:<n>' -> record JSON), NS:versions (hash name -> last version ever issued, kept after
 removal so a re-created name never reuses a version a replica may still cache), NS:tenants (hash name ->
 JSON), NS:apikeys (hash sha256(key) -> tenant), NS:replicas (zset id -> expiry ms, server clock),

@@ -7,22 +7,14 @@ adapter's placement set, so a dead replica vanishes without anyone having to not
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from app.catalog.conn import guard
+from app.catalog.conn import CatalogConnection, guard
 from app.catalog.records import ReplicaInfo
 from app.errors import InvalidRequest
 
 
-class ReplicaDirectory:
-    """Mixed into Catalog; uses its `ns`, `url`, `_k` and `_scripts`."""
-
-    ns: str
-    url: str
-    _scripts: dict[str, Any]
-
-    def _k(self, *parts: str) -> str:  # pragma: no cover - provided by Catalog
-        raise NotImplementedError
+class ReplicaDirectory(CatalogConnection):
+    """Mixed into Catalog (app/catalog/store.py)."""
 
     @guard
     def heartbeat(

@@ -1,9 +1,9 @@
-"""`loraland`, the admin command line: `loraland [--redis URL] COMMAND ...`.
+"""`loraland`, the command line: `loraland [--redis URL] COMMAND ...` (also `python -m app.cli`).
 
-Each command group lives in its own module exposing `register(subparsers)`, which adds its subparser(s)
-and sets `func(args) -> int` on each; list new modules in COMMAND_MODULES (e.g. `serve`, `demo-assets`).
-Expected failures (app.errors, bad input, unreachable services) print one line and exit 1; argparse's usage
-errors exit 2; anything else is a bug and keeps its traceback."""
+Each command group is one module of this package exposing `register(subparsers)`, which adds its subparser(s)
+and sets `func(args) -> int` on each; a new group is a new module listed in COMMAND_MODULES. output.py holds
+what they share. Expected failures (app.errors, bad input, unreachable services) print one line and exit 1;
+argparse's usage errors exit 2; anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# "module:function" registrars, imported when the parser is built; keep their top-level imports light.
-COMMAND_MODULES: list[str] = [
-    "app.cli.catalog:register",
-    "app.cli.serve:register_serve",
-    "app.cli.demo:register_demo",
-]
+# In `loraland --help` order; imported when the parser is built, so keep their top-level imports light.
+COMMAND_MODULES = (
+    "app.cli.adapters",  # adapters push | register | list | show | rm | pin | unpin | validate
+    "app.cli.tenants",  # tenants create | list | rotate-key
+    "app.cli.placement",  # placement
+    "app.cli.serve",  # serve
+    "app.cli.demo",  # demo-assets, demo
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,9 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Redis URL of the catalog, e.g. redis://127.0.0.1:6379/0 (default: $LORALAND_REDIS_URL)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for spec in COMMAND_MODULES:
-        module, _, func = spec.partition(":")
-        getattr(importlib.import_module(module), func or "register")(subparsers)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(subparsers)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""`loraland adapters ...`: push, register, list, show, rm, pin/unpin, validate."""
+"""`loraland adapters ...`: push, register, list, show, rm, pin/unpin, validate. Tables for people, --json for
+scripts. Heavy imports (redis, boto3, torch via app.replica.lora.peft_format) happen inside the commands."""
 
 from __future__ import annotations
 
@@ -9,8 +10,55 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli.output import catalog_from_args, human_size, print_json, table
+from app.cli.output import catalog_from_args, human_size, json_option, print_json, table
 from app.errors import InvalidAdapter, InvalidRequest, UnknownAdapter
+
+
+def register(subparsers: Any) -> None:
+    js = json_option()
+    owner = argparse.ArgumentParser(add_help=False)
+    owner.add_argument("--tenant", help="the tenant that owns the adapter (default: none, admin-owned)")
+    owner.add_argument("--public", action="store_true", help="every tenant may use it")
+    owner.add_argument(
+        "--model", help="base model folder or Hub id: validate against it and record its identity"
+    )
+    owner.add_argument(
+        "--max-rank", type=int, default=64, help="refuse adapters above this rank (default 64)"
+    )
+
+    adapters = subparsers.add_parser("adapters", help="push, register, list, show, remove and pin adapters")
+    a = adapters.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = a.add_parser("push", parents=[owner, js], help="validate DIR, upload it to S3 and register it")
+    p.add_argument("name")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--to", required=True, metavar="s3://BUCKET/PREFIX", help="where to upload the files")
+    p.add_argument("--overwrite", action="store_true", help="replace different files already at the prefix")
+    p.add_argument("--no-progress", action="store_true", help="no upload progress bar")
+    p.set_defaults(func=cmd_push)
+    p = a.add_parser(
+        "register", parents=[owner, js], help="register an adapter already at URI (s3://, hf://, folder)"
+    )
+    p.add_argument("name")
+    p.add_argument("uri")
+    p.set_defaults(func=cmd_register)
+    p = a.add_parser("list", parents=[js], help="the newest version of every adapter")
+    p.add_argument("--tenant", help="only the adapters this tenant may use (its own and public ones)")
+    p.set_defaults(func=cmd_list)
+    p = a.add_parser("show", parents=[js], help="one adapter's record: NAME (newest) or NAME@V")
+    p.add_argument("ref", metavar="NAME[@V]")
+    p.set_defaults(func=cmd_show)
+    p = a.add_parser("rm", parents=[js], help="remove NAME@V, or every version of NAME")
+    p.add_argument("ref", metavar="NAME[@V]")
+    p.set_defaults(func=cmd_rm)
+    for action, pinned in (("pin", True), ("unpin", False)):
+        p = a.add_parser(action, help=f"{action} NAME: pinned adapters are never evicted from a replica")
+        p.add_argument("name")
+        p.set_defaults(func=cmd_pin, pinned=pinned)
+    p = a.add_parser("validate", parents=[js], help="check DIR is a PEFT LoRA adapter that fits MODEL")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--model", required=True, help="base model folder or Hub id")
+    p.add_argument("--max-rank", type=int, default=64)
+    p.set_defaults(func=cmd_validate)
 
 
 def _model_config(model: str) -> Any:
@@ -47,7 +95,7 @@ def _inspect(folder: Path, model: str | None, max_rank: int) -> tuple[dict, dict
     return summary, config.identity()
 
 
-def _register(
+def _register_record(
     args: argparse.Namespace, catalog: Any, uri: str, summary: dict, base: dict, files: dict
 ) -> int:
     record = catalog.register(
@@ -85,12 +133,12 @@ def _check_owner(args: argparse.Namespace, catalog: Any) -> None:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from app.catalog import s3
     from app.catalog.sources import AdapterHub
+    from app.catalog.sources.s3 import parse_s3_uri
 
     catalog = catalog_from_args(args)  # fail before uploading anything if the catalog is unreachable
     _check_owner(args, catalog)
-    bucket, prefix = s3.parse_s3_uri(args.to)
+    bucket, prefix = parse_s3_uri(args.to)
     uri = f"s3://{bucket}/{prefix}"
     summary, base = _inspect(args.dir, args.model, args.max_rank)
     hub = AdapterHub(catalog=catalog)
@@ -98,7 +146,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     files = hub.upload(
         args.dir, uri, progress=progress, files=sorted(summary["files"]), overwrite=args.overwrite
     )
-    return _register(args, catalog, uri, summary, base, files)
+    return _register_record(args, catalog, uri, summary, base, files)
 
 
 def cmd_register(args: argparse.Namespace) -> int:
@@ -113,7 +161,7 @@ def cmd_register(args: argparse.Namespace) -> int:
     if uri.startswith("hf://") and "@" not in uri and folder.parent.name == "snapshots":
         uri = f"{uri}@{folder.name}"  # pin the commit: the branch may move, the recorded sha256s would not
     summary, base = _inspect(folder, args.model, args.max_rank)
-    return _register(args, catalog, uri, summary, base, dict(summary["files"]))
+    return _register_record(args, catalog, uri, summary, base, dict(summary["files"]))
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -17,6 +17,13 @@ def catalog_from_args(args: argparse.Namespace) -> Any:
     return Catalog(args.redis)
 
 
+def json_option() -> argparse.ArgumentParser:
+    """A parent parser (argparse's `parents=[...]`) adding --json to a command."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
 def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True))
 

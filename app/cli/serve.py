@@ -1,4 +1,5 @@
-"""`loraland serve`: start a local Ray, deploy the app, serve until Ctrl-C (hooked into app/cli.py)."""
+"""`loraland serve`: start a local Ray (and a private Redis unless one is given), deploy the app, serve until
+Ctrl-C, then stop them all. `deploy` and `env_for_workers` also start `loraland demo` (demo.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import signal
 import threading
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from app.config.app_config import AppConfig
+from app.config.settings import Settings
 
 log = logging.getLogger("loraland.serve")
 
 APP_NAME = "loraland"
 
 
-def register_serve(subparsers) -> argparse.ArgumentParser:
+def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object; it sets `func` to `run_serve`."""
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster")
     p.add_argument("--model", required=True, help="Hugging Face model folder or Hub id")
@@ -106,8 +109,9 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> AppConfig:
     )
 
 
-def _env_for_workers(cfg: AppConfig) -> dict[str, str]:
-    """Replica and ingress processes read LORALAND_* through Settings; hand them this process's values."""
+def env_for_workers(cfg: AppConfig) -> dict[str, str]:
+    """Replica and ingress processes read LORALAND_* (and boto3/HF their own variables) through Settings; hand
+    them this process's values. Copying the environment on is the one read of it outside Settings."""
     env = {k: v for k, v in os.environ.items() if k.startswith(("LORALAND_", "AWS_", "HF_"))}
     env["LORALAND_REDIS_URL"] = cfg.redis_url or ""
     if cfg.adapter_store and not cfg.adapter_store.startswith(("s3://", "hf://")):
@@ -132,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with ExitStack() as stack:
-        redis_url = getattr(args, "serve_redis", None) or getattr(args, "redis", None)
+        redis_url = args.serve_redis or args.redis
         if redis_url is None:
             from app.catalog.redis_server import start_redis
 
@@ -148,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
                 "--no-auth: AUTHENTICATION IS OFF. Every caller can use every adapter and the admin "
                 "routes. Use this only for a local demo on a loopback address."
             )
-        elif not (cfg.admin_token or os.environ.get("LORALAND_ADMIN_TOKEN")):
+        elif not (cfg.admin_token or Settings.from_env().admin_token):
             log.warning(
                 "LORALAND_ADMIN_TOKEN is not set: the admin routes (/v1/adapters, /v1/placement) are off"
             )
@@ -156,7 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
         needed = math.ceil(cfg.replicas * cfg.replica_num_cpus + cfg.ingress_replicas * cfg.ingress_num_cpus)
         ray.init(
             num_cpus=max(os.cpu_count() or 1, needed),
-            runtime_env={"env_vars": _env_for_workers(cfg)},
+            runtime_env={"env_vars": env_for_workers(cfg)},
             include_dashboard=False,
         )
         stack.callback(ray.shutdown)
@@ -183,16 +187,3 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C while still deploying: everything started is already stopped
         log.info("interrupted before the application was ready; stopped")
         return 130
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m app.cli.serve serve --model ...`, for when app/cli.py does not list this module."""
-    parser = argparse.ArgumentParser(prog="loraland")
-    parser.add_argument("--redis", default=None, help=argparse.SUPPRESS)
-    register_serve(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

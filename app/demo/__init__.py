@@ -1,2 +1,3 @@
-"""The demo: a tiny character-level model and task adapters anyone can check (assets, train, build), served on the
-local stack with live results (run_demo). Its CLI commands live in app/cli/demo.py."""
+"""The demo's assets: a tiny character-level Llama and task adapters anyone can check (assets.py: layout and
+reuse; train.py: seeded CPU training; build.py: the training child process). The commands that build and serve
+them, `loraland demo-assets` and `loraland demo`, live in app/cli/demo.py."""

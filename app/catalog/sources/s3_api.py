@@ -1,19 +1,20 @@
-"""S3 (and S3-compatible stores) for adapters: list, download with hashing, upload (multipart when large).
+"""The boto3 calls behind the S3 source (s3.py): one cached client per S3Settings, listing, download with
+hashing, upload (multipart when large), and the one place boto3 failures become AdapterUnavailable with a
+message saying what to check.
 
-Endpoint, region and credentials come from boto3's own chain (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION,
-AWS_ACCESS_KEY_ID, profiles, instance roles), so MinIO, R2 or moto work without any setting of ours. Every
-boto3 failure is turned into AdapterUnavailable with a message saying what to check."""
+Endpoint, region and credentials come from S3Settings (app/config/settings.py, read from AWS_*); what it leaves
+unset is left to boto3's own chain (profiles, instance roles), so MinIO, R2 or moto need no setting of ours."""
 
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.config.settings import S3Settings
 from app.errors import AdapterUnavailable, InvalidAdapter, InvalidRequest
 from app.files import safe_relpath
 
@@ -30,49 +31,23 @@ class S3Object:
     etag: str
 
 
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """'s3://bucket/some/prefix/' -> ('bucket', 'some/prefix')."""
-    if not uri.startswith("s3://"):
-        raise InvalidRequest(f"not an S3 URI: {uri!r}; use s3://bucket/prefix")
-    bucket, _, prefix = uri[5:].partition("/")
-    prefix = prefix.strip("/")
-    if not bucket or not prefix:
-        raise InvalidRequest(f"S3 URI {uri!r} needs a bucket and a prefix: s3://bucket/prefix")
-    safe_relpath(prefix, where=uri)
-    return bucket, prefix
-
-
 _loader: Any = None
-_clients: dict[tuple, Any] = {}
+_clients: dict[S3Settings, Any] = {}
 _clients_lock = threading.Lock()
-# What decides a client's endpoint, region and credentials when they come from the environment.
-_CLIENT_ENV = (
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_DEFAULT_REGION",
-    "AWS_REGION",
-    "AWS_PROFILE",
-    "AWS_CONFIG_FILE",
-    "AWS_SHARED_CREDENTIALS_FILE",
-)
 
 
-def client() -> Any:
-    """The S3 client for the environment as it is now: one per distinct AWS_* setting, so credentials and
-    endpoint follow the environment, while a cold adapter fetch does not pay for building a client (20-250 ms
-    on a busy replica). botocore clients are thread-safe; refreshable credentials refresh themselves."""
-    key = tuple(os.environ.get(k) for k in _CLIENT_ENV)
+def client(settings: S3Settings) -> Any:
+    """The S3 client for these settings: one per distinct value, so a cold adapter fetch does not pay for
+    building a client (20-250 ms on a busy replica). botocore clients are thread-safe; refreshable credentials
+    refresh themselves."""
     with _clients_lock:
-        c = _clients.get(key)
+        c = _clients.get(settings)
         if c is None:
-            c = _clients[key] = _new_client()
+            c = _clients[settings] = _new_client(settings)
     return c
 
 
-def _new_client() -> Any:
+def _new_client(settings: S3Settings) -> Any:
     global _loader
     import boto3
     import botocore.loaders
@@ -83,8 +58,24 @@ def _new_client() -> Any:
         _loader = botocore.loaders.create_loader()
     core = botocore.session.Session()
     core.register_component("data_loader", _loader)
+    for var, value in (
+        ("config_file", settings.config_file),
+        ("credentials_file", settings.credentials_file),
+    ):
+        if value:
+            core.set_config_variable(var, value)
+    # Keys only as a pair: a lone half is left to boto3's chain, which reports it as boto3 always has.
+    keys = bool(settings.access_key_id and settings.secret_access_key)
+    session = boto3.session.Session(
+        botocore_session=core,
+        aws_access_key_id=settings.access_key_id if keys else None,
+        aws_secret_access_key=settings.secret_access_key if keys else None,
+        aws_session_token=settings.session_token if keys else None,
+        region_name=settings.region,
+        profile_name=settings.profile,
+    )
     cfg = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60)
-    return boto3.session.Session(botocore_session=core).client("s3", config=cfg)
+    return session.client("s3", endpoint_url=settings.endpoint_url, config=cfg)
 
 
 def unavailable(exc: Exception, uri: str, what: str = "") -> AdapterUnavailable:
@@ -190,7 +181,7 @@ def stored_sha256(s3: Any, bucket: str, key: str, uri: str) -> str | None:
     return head.get("Metadata", {}).get("sha256", "")
 
 
-def upload(
+def put_file(
     s3: Any,
     path: Path,
     bucket: str,

@@ -118,9 +118,6 @@ class DiskCache:
                 )
         return sorted(out, key=lambda e: e["used"])
 
-    def total_bytes(self) -> int:
-        return sum(e["size"] for e in self.entries())
-
     def remove(self, key: str) -> None:
         self._meta_path(key).unlink(missing_ok=True)
         shutil.rmtree(self.root / key, ignore_errors=True)

@@ -1,0 +1,43 @@
+"""Local adapter folders: /path or file:///path. The admin may name any folder; a request that came over HTTP
+(`untrusted`) may only name folders under the allowed roots (LORALAND_LOCAL_ROOTS), symlinks included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.catalog.sources.verify import adapter_files, check_size, verify_files
+from app.errors import AdapterUnavailable, InvalidRequest
+
+
+def _check_roots(uri: str, folder: Path, allowed_roots: tuple[Path, ...]) -> None:
+    roots = [r.resolve() for r in allowed_roots]
+    real = folder.resolve()
+    if not any(real.is_relative_to(r) for r in roots):
+        raise InvalidRequest(
+            f"local adapter folder {uri!r} is outside the allowed roots "
+            f"({', '.join(map(str, roots)) or 'none: set LORALAND_LOCAL_ROOTS'}); register it instead"
+        )
+    for p in real.rglob("*"):  # a symlink inside the root may point anywhere
+        if not any(p.resolve().is_relative_to(r) for r in roots):
+            raise InvalidRequest(f"{p} links outside the allowed local roots: refused")
+
+
+def fetch(
+    uri: str,
+    files: dict[str, str] | None,
+    *,
+    untrusted: bool,
+    allowed_roots: tuple[Path, ...],
+    max_bytes: int,
+) -> Path:
+    """The folder itself (nothing is copied), size-checked and, when `files` is given, sha256-checked."""
+    folder = Path(uri[len("file://") :] if uri.startswith("file://") else uri).expanduser()
+    if untrusted:
+        _check_roots(uri, folder, allowed_roots)
+    if not folder.is_dir():
+        raise AdapterUnavailable(f"{uri}: no such folder")
+    names = list(files) if files else adapter_files(folder)
+    check_size(uri, sum((folder / n).stat().st_size for n in names if (folder / n).is_file()), max_bytes)
+    if files:
+        verify_files(uri, folder, files)
+    return folder

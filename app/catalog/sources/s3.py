@@ -1,0 +1,106 @@
+"""s3://bucket/prefix: adapters in S3 or an S3-compatible store, fetched into the disk cache; and uploads to it.
+
+A fetch the catalog describes (`files`: {name: sha256}) is content-addressed in the cache, so a hit needs no
+network at all and a cached adapter survives S3 being down; each file is hashed while it downloads. A fetch by
+bare URI lists the prefix and is cached by URI, refreshed when the objects' ETags change. The boto3 calls and
+their error messages are in s3_api.py."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+from app.catalog.records import manifest_sha256
+from app.catalog.sources import s3_api
+from app.catalog.sources.disk_cache import DiskCache
+from app.catalog.sources.verify import check_size, is_adapter_file, mismatch
+from app.config.settings import S3Settings
+from app.errors import AdapterUnavailable, InvalidRequest
+from app.files import safe_relpath
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """'s3://bucket/some/prefix/' -> ('bucket', 'some/prefix')."""
+    if not uri.startswith("s3://"):
+        raise InvalidRequest(f"not an S3 URI: {uri!r}; use s3://bucket/prefix")
+    bucket, _, prefix = uri[5:].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or not prefix:
+        raise InvalidRequest(f"S3 URI {uri!r} needs a bucket and a prefix: s3://bucket/prefix")
+    safe_relpath(prefix, where=uri)
+    return bucket, prefix
+
+
+def fetch(
+    uri: str, files: dict[str, str] | None, *, cache: DiskCache, settings: S3Settings, max_bytes: int
+) -> Path:
+    """The cached folder for `uri`, downloading what is not cached; with `files`, every sha256 checked."""
+    bucket, prefix = parse_s3_uri(uri)
+    if files:
+        key = "sha-" + manifest_sha256(files)[:40]
+        hit = cache.lookup(key)
+        if hit is not None:
+            return hit[0]
+    client = s3_api.client(settings)
+    if files:  # the catalog names every file: fetch them directly, no listing round trip
+        wanted = {rel: f"{prefix}/{rel}" for rel in files}
+    else:
+        objects = s3_api.list_objects(client, bucket, prefix, uri)
+        found = {rel: o for rel, o in objects.items() if is_adapter_file(rel)}
+        if not found:
+            raise AdapterUnavailable(
+                f"{uri}: no adapter files under this prefix (no such key): check the URI"
+            )
+        key = "uri-" + hashlib.sha256(uri.encode()).hexdigest()[:40]
+        hit = cache.lookup(key)
+        if hit is not None and hit[1].get("etags") == {rel: o.etag for rel, o in found.items()}:
+            return hit[0]
+        check_size(uri, sum(o.size for o in found.values()), max_bytes)
+        wanted = {rel: o.key for rel, o in found.items()}
+    with cache.staging() as tmp:
+        left, got, etags = max_bytes, {}, {}
+        for rel, obj_key in sorted(wanted.items()):
+            got[rel], n, etags[rel] = s3_api.download(
+                client, bucket, obj_key, tmp / rel, limit=left, cap=max_bytes, uri=uri
+            )
+            left -= n
+            if files and got[rel] != files[rel]:  # hashed while downloading: no second read
+                raise mismatch(uri, rel, got[rel], files[rel])
+        meta = {"uri": uri, "files": got, "size": max_bytes - left, "etags": etags}
+        return cache.commit(key, tmp, meta, replace=not files)
+
+
+def upload(
+    folder: Path,
+    sums: dict[str, str],
+    dest_uri: str,
+    *,
+    settings: S3Settings,
+    overwrite: bool,
+    progress: bool,
+) -> None:
+    """Upload folder's files `sums` ({relative path: sha256}, recorded in each object's metadata) under
+    dest_uri. Refuses to replace different content already there unless `overwrite`."""
+    from tqdm import tqdm
+
+    bucket, prefix = parse_s3_uri(dest_uri)
+    client = s3_api.client(settings)
+    if not overwrite:
+        for rel, sha in sums.items():
+            there = s3_api.stored_sha256(client, bucket, f"{prefix}/{rel}", dest_uri)
+            if there is not None and there != sha:
+                raise InvalidRequest(
+                    f"{dest_uri}/{rel} already exists with different content: push this version to a new prefix "
+                    "(e.g. .../v2), or overwrite (--overwrite) if no registered version uses it"
+                )
+    total = sum((folder / rel).stat().st_size for rel in sums)
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"upload {dest_uri}", disable=not progress,
+        file=sys.stderr, leave=True,
+    )  # fmt: skip
+    with bar:
+        for rel, sha in sums.items():
+            s3_api.put_file(
+                client, folder / rel, bucket, f"{prefix}/{rel}", sha, uri=dest_uri, progress=bar.update
+            )

@@ -1,0 +1,70 @@
+"""Tenants half of the catalog: tenant names and their API keys, stored only as hashes.
+
+A key is shown once, when it is made (create_tenant, rotate_key); the catalog keeps sha256(key) -> tenant, so a
+dump of Redis holds nothing a caller could present. Creating and rotating are Lua scripts: the old key stops
+working in the same step the new one starts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+
+from app.catalog.conn import CatalogConnection, guard
+from app.errors import InvalidRequest
+from app.names import check_tenant
+
+
+def hash_api_key(api_key: str) -> str:
+    # Keys are 256 random bits, so one unsalted SHA-256 suffices: there is nothing to brute-force.
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def _new_key() -> tuple[str, str, str]:
+    """(key, its hash, the hint shown in listings)."""
+    key = "ll-" + secrets.token_urlsafe(32)
+    return key, hash_api_key(key), key[:7]
+
+
+class TenantDirectory(CatalogConnection):
+    """Mixed into Catalog (app/catalog/store.py)."""
+
+    @guard
+    def create_tenant(self, name: str) -> str:
+        """Create a tenant; returns its API key, which is shown this once and stored only hashed."""
+        check_tenant(name)
+        key, key_hash, hint = _new_key()
+        body = json.dumps({"name": name, "created": time.time(), "key_hash": key_hash, "key_hint": hint})
+        ok = self._scripts["CREATE_TENANT"](
+            keys=[self._k("tenants"), self._k("apikeys")], args=[name, body, key_hash]
+        )
+        if not int(ok):
+            raise InvalidRequest(
+                f"tenant {name!r} already exists: use `loraland tenants rotate-key {name}` for a new key"
+            )
+        return key
+
+    @guard
+    def rotate_key(self, name: str) -> str:
+        """Replace the tenant's API key; the old one stops working at once."""
+        check_tenant(name)
+        key, key_hash, hint = _new_key()
+        args = [name, key_hash, hint, time.time(), self._channel]
+        if not int(self._scripts["ROTATE_KEY"](keys=[self._k("tenants"), self._k("apikeys")], args=args)):
+            raise InvalidRequest(f"unknown tenant {name!r}: create it with `loraland tenants create {name}`")
+        return key
+
+    @guard
+    def tenant_for_key(self, api_key: str) -> str | None:
+        if not isinstance(api_key, str) or not api_key:
+            return None
+        return self._r.hget(self._k("apikeys"), hash_api_key(api_key))
+
+    @guard
+    def list_tenants(self) -> list[dict]:
+        """[{name, created, key_hint, rotated}] sorted by name; key hashes are not returned."""
+        rows = [json.loads(v) for v in self._r.hgetall(self._k("tenants")).values()]
+        return sorted(
+            ({k: v for k, v in t.items() if k != "key_hash"} for t in rows), key=lambda t: t["name"]
+        )
