@@ -1,6 +1,18 @@
 """The one grammar of names: adapter names and refs (`name`, `org/name`, `name@3`), tenant names, and the OpenAI
 `model` field built from them (the base model, an adapter, a chain `a|b`, a merge `a*0.7+b*0.3`).
 
+Merges. `a*0.7+b*0.3` is the exact sum of the terms' deltas (PEFT's combination_type "cat": the LoRAs side by
+side along the rank axis). Any of PEFT's `add_weighted_adapter` combination types is asked for by name around
+the terms, options after `;`:
+    KIND(a*0.7+b*0.3[;option=value]...)        e.g. ties(a*0.7+b*0.3;density=0.5)
+KIND is one of MERGE_OPTIONS: cat, linear, svd, ties, ties_svd, dare_linear, dare_ties, dare_linear_svd,
+dare_ties_svd, magnitude_prune, magnitude_prune_svd. Options, each only where PEFT uses it: density (0 < d <= 1,
+required by the pruning kinds), majority_sign_method (total | frequency; default total), svd_rank (default:
+the largest term rank, as PEFT), svd_clamp (a quantile in (0, 1]; default none), seed (DARE's random masks;
+default 0, so a merge named twice is the same merge). A KIND(...) stage may hold one term (PEFT then merges
+linearly) and may be a chain stage (`ties(a*0.5+b*0.5;density=0.3)|c`). From Python, `merge_id` writes the
+same text. Note that PEFT's "linear" mixes A's and B's separately (an approximation); "cat" is exact.
+
 Parsing is pure (no catalog): the ingress parses first, then resolves every term through the catalog, so a
 typo is a 400 naming the field and a missing or foreign adapter is a 404 naming the term."""
 
@@ -72,11 +84,49 @@ class Term:
         return self.name if self.version is None else f"{self.name}@{self.version}"
 
 
+_DENSITY, _SIGN, _SVD, _SEED = ("density",), ("majority_sign_method",), ("svd_rank", "svd_clamp"), ("seed",)
+MERGE_OPTIONS: dict[str, tuple[str, ...]] = {  # PEFT's combination types and the options each one uses
+    "cat": (),
+    "linear": (),
+    "svd": _SVD,
+    "ties": _DENSITY + _SIGN,
+    "ties_svd": _DENSITY + _SIGN + _SVD,
+    "dare_linear": _DENSITY + _SEED,
+    "dare_ties": _DENSITY + _SIGN + _SEED,
+    "dare_linear_svd": _DENSITY + _SEED + _SVD,
+    "dare_ties_svd": _DENSITY + _SIGN + _SEED + _SVD,
+    "magnitude_prune": _DENSITY,
+    "magnitude_prune_svd": _DENSITY + _SVD,
+}
+_OPTION_DEFAULTS = {"majority_sign_method": "total", "seed": 0, "svd_rank": None, "svd_clamp": None}
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """How a merge stage combines its terms (PEFT's add_weighted_adapter); the options are None where the kind
+    does not use them, and hold their defaults where it does (see the module docstring)."""
+
+    kind: str = "cat"
+    density: float | None = None
+    majority_sign_method: str | None = None
+    svd_rank: int | None = None
+    svd_clamp: float | None = None
+    seed: int | None = None
+
+    def text(self, terms: str) -> str:
+        """`terms` ('a*0.7+b*0.3') wrapped in this method's syntax, options at their defaults left out."""
+        opts = [f"{k}={getattr(self, k):g}" if isinstance(getattr(self, k), float) else f"{k}={getattr(self, k)}"
+                for k in MERGE_OPTIONS[self.kind] if getattr(self, k) != _OPTION_DEFAULTS.get(k)]  # fmt: skip
+        return f"{self.kind}({';'.join([terms, *opts])})"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed `model` field. No stages = the base model; one stage of one term = a plain adapter."""
+    """A parsed `model` field. No stages = the base model; one stage of one term = a plain adapter.
+    `methods[i]` is stage i's MergeMethod (None, or missing, for a plain adapter or a cat merge)."""
 
     stages: tuple[tuple[Term, ...], ...] = ()
+    methods: tuple[MergeMethod | None, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -84,26 +134,39 @@ class ModelSpec:
             return "base"
         if len(self.stages) > 1:
             return "chain"
-        return "merge" if len(self.stages[0]) > 1 else "adapter"
+        return "merge" if len(self.stages[0]) > 1 or self.method(0) is not None else "adapter"
+
+    def method(self, i: int) -> MergeMethod | None:
+        return self.methods[i] if i < len(self.methods) else None
 
     def terms(self) -> list[Term]:
         return [t for stage in self.stages for t in stage]
 
     def canonical(self) -> str:
         """The kernel's adapter_id syntax; empty for the base model."""
-        return "|".join(_stage_text(stage) for stage in self.stages)
+        return "|".join(_stage_text(stage, self.method(i)) for i, stage in enumerate(self.stages))
 
 
-def _stage_text(stage: tuple[Term, ...]) -> str:
-    if len(stage) == 1:
+def _stage_text(stage: tuple[Term, ...], method: MergeMethod | None = None) -> str:
+    if len(stage) == 1 and method is None:
         return stage[0].ref
-    return "+".join(f"{t.ref}*{t.weight:g}" for t in stage)
+    terms = "+".join(f"{t.ref}*{t.weight:g}" for t in stage)
+    return terms if method is None or (method.kind == "cat" and len(stage) > 1) else method.text(terms)
+
+
+def merge_id(terms: list[tuple[str, float]], kind: str = "cat", **options: object) -> str:
+    """The adapter id of a merge from Python: merge_id([("a", 0.7), ("b", 0.3)], "ties", density=0.5) ->
+    'ties(a*0.7+b*0.3;density=0.5)'. Raises InvalidRequest as the `model` field would."""
+    inner = ";".join(
+        ["+".join(f"{ref}*{w!r}" for ref, w in terms), *(f"{k}={v}" for k, v in options.items())]
+    )
+    return parse_model(f"{kind}({inner})").canonical()
 
 
 def _bad(model: str, why: str) -> InvalidRequest:
     err = InvalidRequest(
         f"model: {why} in {model!r}. Use the base model's id, an adapter name, 'name@version', "
-        "a chain 'a|b' or a merge 'a*0.7+b*0.3'."
+        "a chain 'a|b' or a merge 'a*0.7+b*0.3' (or 'ties(a*0.7+b*0.3;density=0.5)')."
     )
     err.param = "model"
     return err
@@ -144,25 +207,80 @@ def parse_model(model: object, base_ids: tuple[str, ...] | frozenset[str] = ()) 
     stages_text = text.split("|")
     if len(stages_text) > MAX_STAGES:
         raise _bad(model, f"a chain has at most {MAX_STAGES} stages")
-    stages = []
+    stages, methods = [], []
     for st in stages_text:
         if not st.strip():
             raise _bad(model, "an empty chain stage")
+        st, method = _parse_method(model, st)
         parts = st.split("+")
         if len(parts) > MAX_TERMS:
             raise _bad(model, f"a merge has at most {MAX_TERMS} terms")
         if any(not p.strip() for p in parts):
             raise _bad(model, "an empty merge term")
-        terms = tuple(_parse_term(model, p, in_merge=len(parts) > 1) for p in parts)
+        terms = tuple(_parse_term(model, p, in_merge=len(parts) > 1 or method is not None) for p in parts)
         names = [t.name for t in terms]
         if len(set(names)) != len(names):
             raise _bad(model, "the same adapter appears twice in one merge")
         stages.append(terms)
-    return ModelSpec(tuple(stages))
+        methods.append(method if method is not None and (method.kind != "cat" or len(terms) == 1) else None)
+    return ModelSpec(tuple(stages), tuple(methods) if any(methods) else ())
+
+
+_METHOD_RE = re.compile(r"^\s*(?P<kind>[a-z_]+)\s*\((?P<inner>[^()]*)\)\s*$")
+
+
+def _parse_method(model: str, st: str) -> tuple[str, MergeMethod | None]:
+    """`KIND(terms;opt=v;...)` -> (terms, MergeMethod); anything else is a plain stage, returned as is."""
+    m = _METHOD_RE.match(st)
+    if m is None:
+        if "(" in st or ")" in st:
+            raise _bad(
+                model,
+                f"{st.strip()!r} is not KIND(terms;option=value...), e.g. ties(a*0.7+b*0.3;density=0.5)",
+            )
+        return st, None
+    kind, (terms, *opts) = m["kind"], m["inner"].split(";")
+    if kind not in MERGE_OPTIONS:
+        raise _bad(model, f"unknown merge type {kind!r}: use one of {', '.join(MERGE_OPTIONS)}")
+    values: dict[str, object] = {k: _OPTION_DEFAULTS.get(k) for k in MERGE_OPTIONS[kind]}
+    seen = set()
+    for opt in opts:
+        key, eq, raw = (x.strip() for x in opt.partition("="))
+        if not eq or key not in MERGE_OPTIONS[kind] or key in seen:
+            allowed = ", ".join(MERGE_OPTIONS[kind]) or "none"
+            raise _bad(model, f"option {opt.strip()!r} of a {kind} merge: options are key=value, once each, "
+                              f"from: {allowed}")  # fmt: skip
+        seen.add(key)
+        values[key] = _option_value(model, kind, key, raw)
+    if "density" in values and values["density"] is None:
+        raise _bad(model, f"a {kind} merge needs a density, e.g. {kind}(a*0.7+b*0.3;density=0.5)")
+    return terms, MergeMethod(kind, **values)
+
+
+def _option_value(model: str, kind: str, key: str, raw: str) -> object:
+    try:
+        if key == "majority_sign_method":
+            if raw not in ("total", "frequency"):
+                raise ValueError
+            return raw
+        if key in ("svd_rank", "seed"):
+            v = int(raw)
+            if v < (1 if key == "svd_rank" else 0) or v >= 2**63 or str(v) != raw:
+                raise ValueError
+            return v
+        v = float(raw)
+        if not 0.0 < v <= 1.0:  # density: a fraction kept; svd_clamp: a quantile
+            raise ValueError
+        return v
+    except ValueError:
+        rule = {"majority_sign_method": "total or frequency", "svd_rank": "a positive integer",
+                "seed": "a non-negative integer"}.get(key, "a number in (0, 1]")  # fmt: skip
+        raise _bad(model, f"{kind} option {key}={raw!r} must be {rule}") from None
 
 
 def resolved(spec: ModelSpec, versions: dict[str, int]) -> ModelSpec:
     """The same spec with every term pinned to a concrete version (`versions`: term ref -> version)."""
     return ModelSpec(
-        tuple(tuple(Term(t.name, versions[t.ref], t.weight) for t in stage) for stage in spec.stages)
+        tuple(tuple(Term(t.name, versions[t.ref], t.weight) for t in stage) for stage in spec.stages),
+        spec.methods,
     )

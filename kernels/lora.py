@@ -4,6 +4,8 @@ A pool holds S slots of one rank r: A [S, in, r], B [S, r, out]. Tokens of a slo
 (no adapter) may only lead the batch. For every segment with slot s >= 0:
     shrink:  z[seg] = x[seg] @ A[s]                        ([T, in] -> [T, r])
     expand:  y[seg] += scale[s] * z[seg] @ B[s]            ([T, r] -> [T, out], in place)
+DoRA adapters also rescale the base output per output column before the delta is added (base_scale [S, out],
+the part base_bias [out] of y left unscaled): y[seg] = base_scale[s] * (y[seg] - base_bias) + base_bias + ...
 kernels/reference.py is the definition the paths below are tested against.
 
 Paths (`method`):
@@ -219,14 +221,26 @@ def expand(
     seg: Segments,
     scale: torch.Tensor | None = None,
     *,
+    base_scale: torch.Tensor | None = None,
+    base_bias: torch.Tensor | None = None,
     method: str | None = None,
 ) -> None:
     """Semantics: y[t] += scale[s_t] * (z[t] @ B[s_t]) in place for adapter tokens; rows with s_t = -1
-    are untouched; scale None means 1.
+    are untouched; scale None means 1. With base_scale (DoRA), y[t] is first rescaled per output column:
+    y[t] = base_scale[s_t] * (y[t] - base_bias) + base_bias, base_bias None meaning 0.
 
     y [T, out] (may be a column slice of a fused output), z [T, r] (may be a column slice z[:, r0:r1] of a
-    fused shrink), B [S, r, out], scale [S] or None. Computed in B's dtype, added in y's dtype.
+    fused shrink), B [S, r, out], scale [S] or None, base_scale [S, out] or None, base_bias [out] or None
+    (only with base_scale). Computed in B's dtype, added in y's dtype.
     """
+    if base_bias is not None and base_scale is None:
+        raise ValueError(
+            "expand: base_bias is the part of y that base_scale leaves unscaled; give base_scale"
+        )
+    if base_scale is not None and base_scale.shape != (B.shape[0], B.shape[2]):
+        raise ValueError(
+            f"expand: base_scale is {tuple(base_scale.shape)}, expected [{B.shape[0]}, {B.shape[2]}] (slots, out)"
+        )
     _check(y, B, seg, "expand")
     if z.shape != (seg.num_tokens, B.shape[1]):
         raise ValueError(
@@ -238,7 +252,7 @@ def expand(
     if m == "triton":
         from kernels import triton_sgmv
 
-        triton_sgmv.expand(y, z, B, seg, scale)
+        triton_sgmv.expand(y, z, B, seg, scale, base_scale=base_scale, base_bias=base_bias)
         return
     nb = seg.num_base
     za = z[nb:].to(B.dtype)
@@ -246,7 +260,14 @@ def expand(
         za = za * scale.to(B.dtype)[seg.token_slot][:, None]
     rows = max(64, EXPAND_CHUNK_BYTES // (B.shape[2] * B.element_size()))
     for c0, c1, sub in seg.chunks(rows):
-        y[nb + c0 : nb + c1].add_(_apply(za[c0:c1], B, sub, m))
+        yc = y[nb + c0 : nb + c1]
+        if base_scale is not None:  # a few elementwise ops on [rows, out], whatever the number of adapters
+            if base_bias is not None:
+                yc.sub_(base_bias)
+            yc.mul_(F.embedding(sub.token_slot, base_scale))
+            if base_bias is not None:
+                yc.add_(base_bias)
+        yc.add_(_apply(za[c0:c1], B, sub, m))
 
 
 def expand_sliced(
@@ -256,13 +277,17 @@ def expand_sliced(
     seg: Segments,
     scales: list[torch.Tensor | None] | None = None,
     *,
+    base_scales: list[torch.Tensor | None] | None = None,
+    base_biases: list[torch.Tensor | None] | None = None,
     method: str | None = None,
 ) -> None:
     """Semantics: for projection j of rank r_j, ys[j] += scales[j] * z[:, c_j : c_j + r_j] @ Bs[j] per
-    segment, with c_j = r_0 + ... + r_{j-1} (z from one shrink over the rank-concatenated A).
+    segment, with c_j = r_0 + ... + r_{j-1} (z from one shrink over the rank-concatenated A); with
+    base_scales[j], ys[j] is first rescaled as `expand` says (DoRA).
 
-    ys[j] [T, out_j], z [T, sum r_j], Bs[j] [S, r_j, out_j], scales None or one [S]-or-None per projection.
-    One expand per projection: the op count follows the projections, never the adapters.
+    ys[j] [T, out_j], z [T, sum r_j], Bs[j] [S, r_j, out_j]; scales, base_scales, base_biases: None or one
+    entry (or None) per projection. One expand per projection: the op count follows the projections, never
+    the adapters.
     """
     if len(ys) != len(Bs):
         raise ValueError(f"expand_sliced: {len(ys)} outputs but {len(Bs)} B pools")
@@ -273,7 +298,11 @@ def expand_sliced(
     c = 0
     for j, (y, B) in enumerate(zip(ys, Bs, strict=True)):
         r = B.shape[1]
-        expand(y, z[:, c : c + r], B, seg, None if scales is None else scales[j], method=method)
+        expand(
+            y, z[:, c : c + r], B, seg, None if scales is None else scales[j],
+            base_scale=None if base_scales is None else base_scales[j],
+            base_bias=None if base_biases is None else base_biases[j], method=method,
+        )  # fmt: skip
         c += r
 
 
@@ -285,13 +314,18 @@ def lora_linear_delta(
     seg: Segments,
     scale: torch.Tensor | None = None,
     *,
+    base_scale: torch.Tensor | None = None,
+    base_bias: torch.Tensor | None = None,
     method: str | None = None,
 ) -> None:
-    """Semantics: y[t] += scale[s_t] * (x[t] @ A[s_t]) @ B[s_t] in place (shrink then expand).
+    """Semantics: y[t] += scale[s_t] * (x[t] @ A[s_t]) @ B[s_t] in place (shrink then expand), after the
+    DoRA rescale of y[t] when base_scale is given (see `expand`).
 
-    y [T, out], x [T, in], A [S, in, r], B [S, r, out], scale [S] or None.
+    y [T, out], x [T, in], A [S, in, r], B [S, r, out], scale [S] or None, base_scale [S, out] or None,
+    base_bias [out] or None.
     """
-    expand(y, shrink(x, A, seg, method=method), B, seg, scale, method=method)
+    z = shrink(x, A, seg, method=method)
+    expand(y, z, B, seg, scale, base_scale=base_scale, base_bias=base_bias, method=method)
 
 
 def _apply(a: torch.Tensor, w: torch.Tensor, seg: Segments, m: str) -> torch.Tensor:

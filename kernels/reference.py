@@ -35,16 +35,22 @@ def expand_ref(
     B: torch.Tensor,
     slot_ids: torch.Tensor,
     scale: torch.Tensor | None = None,
+    base_scale: torch.Tensor | None = None,
+    base_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics: returns y[t] + scale[slot_ids[t]] * (z[t] @ B[slot_ids[t]]), y[t] unchanged where the
-    slot is -1; scale None means 1.
+    slot is -1; scale None means 1. With base_scale (DoRA), y[t] is replaced first by
+    base_scale[slot] * (y[t] - base_bias) + base_bias (base_bias None means 0).
 
-    y [T, out], z [T, r], B [S, r, out], slot_ids int [T], scale [S] or None -> [T, out] in float32
-    (y itself is not modified).
+    y [T, out], z [T, r], B [S, r, out], slot_ids int [T], scale [S] or None, base_scale [S, out] or None,
+    base_bias [out] or None -> [T, out] in float32 (y itself is not modified).
     """
     out = y.float().clone()
+    bias = 0.0 if base_bias is None else base_bias.float()
     for s, e, slot in segments_of(slot_ids):
         if slot >= 0:
+            if base_scale is not None:
+                out[s:e] = base_scale[slot].float() * (out[s:e] - bias) + bias
             w = 1.0 if scale is None else float(scale[slot])
             out[s:e] += w * (z[s:e].float() @ B[slot].float())
     return out
@@ -63,3 +69,24 @@ def lora_delta_ref(
     """
     z = shrink_ref(x, A, slot_ids)
     return expand_ref(torch.zeros(x.shape[0], B.shape[2], device=x.device), z, B, slot_ids, scale)
+
+
+def dora_linear_ref(
+    x: torch.Tensor,
+    W: torch.Tensor,
+    bias: torch.Tensor | None,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    scale: float,
+    magnitude: torch.Tensor,
+) -> torch.Tensor:
+    """Semantics: PEFT's DoRA linear at eval (dropout off), written out: with the LoRA delta dW = scale * B @ A
+    and the detached column norm n = ||W + dW|| over the input axis (one per output), the output is
+    (magnitude / n) * (x @ (W + dW)^T) + bias; the bias is not rescaled.
+
+    x [T, in], W [out, in], bias [out] or None, A [r, in], B [out, r], magnitude [out] -> [T, out] float32.
+    """
+    Wd = W.float() + scale * (B.float() @ A.float())
+    f = magnitude.float() / torch.linalg.norm(Wd, dim=1)
+    y = f * (x.float() @ Wd.t())
+    return y if bias is None else y + bias.float()

@@ -68,11 +68,11 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    z_ptr, b_ptr, y_ptr, scale_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+    z_ptr, b_ptr, y_ptr, scale_ptr, bscale_ptr, bbias_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
     N, K,
-    stride_zm, stride_zk, stride_bs, stride_bk, stride_bn, stride_ym, stride_yn,
+    stride_zm, stride_zk, stride_bs, stride_bk, stride_bn, stride_ym, stride_yn, stride_cs, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BASE_SCALE: tl.constexpr, HAS_BASE_BIAS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_mn, seg = tl.program_id(0), tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -109,6 +109,13 @@ def _expand_kernel(
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BASE_SCALE:  # DoRA: the base output rescaled per column in the same pass (no extra read of y)
+        cs = tl.load(bscale_ptr + slot * stride_cs + offs_n.to(tl.int64) * stride_cn, mask=mask_n, other=1.0)
+        if HAS_BASE_BIAS:
+            bb = tl.load(bbias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            y = (y - bb[None, :]) * cs.to(tl.float32)[None, :] + bb[None, :]
+        else:
+            y = y * cs.to(tl.float32)[None, :]
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -157,12 +164,21 @@ def shrink(x: torch.Tensor, A: torch.Tensor, seg: Segments, split_k: int | None 
 
 
 def expand(
-    y: torch.Tensor, z: torch.Tensor, B: torch.Tensor, seg: Segments, scale: torch.Tensor | None = None
+    y: torch.Tensor,
+    z: torch.Tensor,
+    B: torch.Tensor,
+    seg: Segments,
+    scale: torch.Tensor | None = None,
+    *,
+    base_scale: torch.Tensor | None = None,
+    base_bias: torch.Tensor | None = None,
 ) -> None:
     """Semantics: y[t] += scale[s_t] * (z[t] @ B[s_t]) in place for adapter tokens; rows with s_t = -1
-    untouched; scale None means 1.
+    untouched; scale None means 1. With base_scale (DoRA), y[t] is first replaced by
+    base_scale[s_t] * (y[t] - base_bias) + base_bias (base_bias None means 0), in the same pass.
 
-    y [T, out], z [T, r], B [S, r, out], scale [S] or None; any strides (column slices welcome).
+    y [T, out], z [T, r], B [S, r, out], scale [S] or None, base_scale [S, out] (any strides) or None,
+    base_bias [out] or None; any strides for y and z (column slices welcome).
     Computed in fp32 from B's dtype, stored in y's dtype.
     """
     K, N = B.shape[1], B.shape[2]
@@ -172,12 +188,18 @@ def expand(
     _check_grid(k_segs)
     if scale is not None:
         scale = scale.to(device=y.device, dtype=torch.float32).contiguous()
+    if base_bias is not None:
+        base_bias = base_bias.to(device=y.device, dtype=torch.float32).contiguous()
+    cs = base_scale if base_scale is not None else B  # any tensor: the pointer is unused without the flag
     block_m, block_n, block_k = _block_m(seg), _block(N, 16, 128), _block(K, 16, 64)
     grid = (triton.cdiv(seg.max_seg_len, block_m) * triton.cdiv(N, block_n), k_segs)
     _expand_kernel[grid](
-        z, B, y, scale if scale is not None else B, seg.seg_start, seg.seg_len, seg.seg_slot,
+        z, B, y, scale if scale is not None else B, cs, base_bias if base_bias is not None else B,
+        seg.seg_start, seg.seg_len, seg.seg_slot,
         N, K,
         z.stride(0), z.stride(1), B.stride(0), B.stride(1), B.stride(2), y.stride(0), y.stride(1),
+        cs.stride(0), cs.stride(1) if cs.dim() > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scale is not None,
+        HAS_BASE_SCALE=base_scale is not None, HAS_BASE_BIAS=base_bias is not None,
         IEEE=B.dtype == torch.float32,
     )  # fmt: skip

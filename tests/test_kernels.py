@@ -73,6 +73,26 @@ def check_lora(method, dtype, ids, S, d_in, r, d_out, use_scale, gen, device="cp
     assert torch.equal(y[ids < 0], y0[ids < 0]), "tokens without an adapter must be left untouched"
 
 
+def check_dora(method, dtype, ids, S, d_in, r, d_out, use_bias, gen, device="cpu"):
+    """shrink + expand with a DoRA base rescale (base_scale per slot and column, a shared base_bias) against
+    the reference; tokens without an adapter stay untouched."""
+    T = ids.numel()
+    A, B = pool(S, d_in, r, d_out, dtype, gen, device)
+    x = torch.randn(T, d_in, generator=gen).to(device, dtype)
+    y = torch.randn(T, d_out, generator=gen).to(device, dtype)
+    base_scale = (torch.rand(S, d_out, generator=gen) + 0.5).to(device, dtype)
+    bias = torch.randn(d_out, generator=gen).to(device, dtype) if use_bias else None
+    seg = K.build_segments(ids.to(device), S)
+    z_ref = R.shrink_ref(x.cpu(), A.cpu(), ids)
+    y_ref = R.expand_ref(
+        y.cpu(), z_ref, B.cpu(), ids, None, base_scale.cpu(), None if bias is None else bias.cpu()
+    )
+    y0 = y.clone()
+    K.lora_linear_delta(y, x, A, B, seg, base_scale=base_scale, base_bias=bias, method=method)
+    assert rel_err(y.cpu(), y_ref) <= TOL[dtype]
+    assert torch.equal(y[ids < 0], y0[ids < 0]), "tokens without an adapter must be left untouched"
+
+
 # ---------------------------------------------------------------------------------------------- CPU paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("method", CPU_METHODS, ids=str)
@@ -105,6 +125,51 @@ def test_cpu_edge_sizes(ids, method):
         assert z.shape == (ids.numel(), 4) and not z.any() and torch.equal(y, y0)
         return
     check_lora(method, torch.float32, ids, 8, 133, 4, 45, True, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("method", CPU_METHODS + ["loop"], ids=str)
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_cpu_dora_rescale_matches_reference(popularity, method, dtype):
+    gen = torch.Generator().manual_seed(hash((popularity, "dora")) % 2**31)
+    for T, n_base, use_bias in [(30, 0, False), (37, 5, True)]:
+        check_dora(method, dtype, slot_ids(popularity, T, 40, n_base, gen), 40, 64, 8, 48, use_bias, gen)
+
+
+def test_dora_reference_is_peft_dora_linear():
+    """The kernels' DoRA semantics (scale folded into B, base rescaled) equal PEFT's DoRA layer at eval."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    gen = torch.Generator().manual_seed(21)
+    d_in, d_out, r, s = 24, 20, 4, 1.7
+    base = torch.nn.Linear(d_in, d_out)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(d_out, d_in, generator=gen))
+        base.bias.copy_(torch.randn(d_out, generator=gen))
+    lora_A, lora_B = torch.nn.Linear(d_in, r, bias=False), torch.nn.Linear(r, d_out, bias=False)
+    with torch.no_grad():
+        lora_A.weight.copy_(torch.randn(r, d_in, generator=gen))
+        lora_B.weight.copy_(torch.randn(d_out, r, generator=gen) * 0.3)
+    dora = DoraLinearLayer(fan_in_fan_out=False)
+    dora.update_layer(base_layer=base, lora_A=lora_A.weight, lora_B=lora_B.weight, scaling=s)
+    with torch.no_grad():
+        dora.weight.mul_(1 + 0.3 * torch.randn(d_out, generator=gen))  # a trained magnitude
+        x = torch.randn(7, d_in, generator=gen)
+        base_out = base(x)
+        want = base_out + dora(
+            x, lora_A=lora_A, lora_B=lora_B, scaling=s, base_layer=base, base_result=base_out
+        )
+        m, W, b = dora.weight, base.weight, base.bias
+        torch.testing.assert_close(R.dora_linear_ref(x, W, b, lora_A.weight, lora_B.weight, s, m), want)
+        # the pool's layout: one slot, B^T * scale * f, base_scale f, base_bias b
+        f = m / torch.linalg.norm(W + s * lora_B.weight @ lora_A.weight, dim=1)
+        ids = torch.zeros(7, dtype=torch.int64)
+        y = base_out.clone()
+        K.lora_linear_delta(
+            y, x, lora_A.weight.t()[None], (lora_B.weight * s * f[:, None]).t()[None],
+            K.build_segments(ids, 1), base_scale=f[None], base_bias=b,
+        )  # fmt: skip
+    torch.testing.assert_close(y, want)
 
 
 def test_cpu_auto_rule():
@@ -158,8 +223,9 @@ def test_cpu_mixed_dtypes_bf16_activations_fp32_pool():
     assert y.dtype == torch.bfloat16 and rel_err(y, y_ref) <= TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("method", ["gather", "grouped", "compact"])
-def test_cpu_op_count_independent_of_adapter_count(method):
+def test_cpu_op_count_independent_of_adapter_count(method, dora):
     """The CPU paths issue the same ops for 2 adapters as for 60 (no per-adapter Python loop)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -181,9 +247,10 @@ def test_cpu_op_count_independent_of_adapter_count(method):
         torch.tensor([-1] * 4 + list(range(58)) * 2).sort().values,
     ):
         seg = K.build_segments(ids, 64)
+        kw = {"base_scale": torch.rand(64, 32), "base_bias": torch.rand(32)} if dora else {}
         with Count() as c:
             z = K.shrink(x, A, seg, method=method)
-            K.expand(torch.zeros(120, 32), z, B, seg, scale, method=method)
+            K.expand(torch.zeros(120, 32), z, B, seg, scale, method=method, **kw)
         counts.append(c.n)
     assert counts[0] == counts[1], counts
 
@@ -240,6 +307,36 @@ def run_fused_qkv(method, dtype, device, gen, use_scale):
         sc = None if scales[j] is None else scales[j].cpu()
         ref[:, cols[j] : cols[j + 1]] += R.lora_delta_ref(x.cpu(), A.cpu(), B.cpu(), ids, sc)
     assert rel_err(out.cpu(), ref) <= TOL[dtype]
+
+
+def run_fused_qkv_dora(method, dtype, device, gen):
+    """The fused q/k/v expand with DoRA rescales: each projection's column slice gets its own base_scale
+    and base_bias (a [S, out_j] and [out_j] slice), against separate references."""
+    S, d_in, ranks, outs = 10, 133, (5, 3, 8), (48, 16, 16)
+    ids = slot_ids("zipf", 24, S, 4, gen)
+    pools = [pool(S, d_in, r, o, dtype, gen, device) for r, o in zip(ranks, outs, strict=True)]
+    fs = [(torch.rand(S, o, generator=gen) + 0.5).to(device, dtype) for o in outs]
+    bs = [torch.randn(o, generator=gen).to(device, dtype) for o in outs[:2]] + [None]
+    A_qkv = torch.cat([A for A, _ in pools], dim=2)
+    x = torch.randn(24, d_in, generator=gen).to(device, dtype)
+    out = torch.randn(24, sum(outs), generator=gen).to(device, dtype)
+    ref = out.cpu().float().clone()
+    seg = K.build_segments(ids.to(device), S)
+    z = K.shrink(x, A_qkv, seg, method=method)
+    cols = [0, outs[0], outs[0] + outs[1], sum(outs)]
+    ys = [out[:, cols[j] : cols[j + 1]] for j in range(3)]
+    K.expand_sliced(ys, z, [B for _, B in pools], seg, base_scales=fs, base_biases=bs, method=method)
+    for j, (A, B) in enumerate(pools):
+        c = slice(cols[j], cols[j + 1])
+        zj = R.shrink_ref(x.cpu(), A.cpu(), ids)
+        b = None if bs[j] is None else bs[j].cpu()
+        ref[:, c] = R.expand_ref(ref[:, c], zj, B.cpu(), ids, None, fs[j].cpu(), b)
+    assert rel_err(out.cpu(), ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("method", CPU_METHODS, ids=str)
+def test_cpu_fused_qkv_dora(method):
+    run_fused_qkv_dora(method, torch.float32, "cpu", torch.Generator().manual_seed(22))
 
 
 @pytest.mark.parametrize("method", CPU_METHODS, ids=str)
@@ -343,3 +440,17 @@ def test_triton_mixed_ranks_one_batch(triton_mod, dtype):
 @pytest.mark.parametrize("use_scale", [False, True])
 def test_triton_fused_qkv_slices(triton_mod, dtype, use_scale):
     run_fused_qkv("triton", dtype, DEVICE, torch.Generator().manual_seed(12), use_scale)
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("popularity", ["distinct", "zipf"])
+def test_triton_dora_rescale(triton_mod, popularity, dtype):
+    gen = torch.Generator().manual_seed(23)
+    for T, n_base, use_bias in [(9, 0, False), (12, 3, True)]:
+        check_dora(
+            "triton", dtype, slot_ids(popularity, T, 10, n_base, gen), 10, 40, 7, 45, use_bias, gen, DEVICE
+        )
+
+
+def test_triton_fused_qkv_dora(triton_mod):
+    run_fused_qkv_dora("triton", torch.float32, DEVICE, torch.Generator().manual_seed(24))

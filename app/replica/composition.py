@@ -2,7 +2,8 @@
 
 A chain `a|b` is a pipeline: the kernel runs stage a to completion and feeds its text to stage b. A merge
 `a*0.7+b*0.3` is one forward through a virtual adapter, the terms' LoRAs concatenated along the rank axis
-(merge_adapters). The virtual adapter is registered with the AdapterManager with its components as `parts`:
+(merge_adapters); `ties(a*0.7+b*0.3;density=0.5)` and PEFT's other combination types likewise build one
+virtual adapter, named by its canonical text with the terms' versions. The virtual adapter is registered with the AdapterManager with its components as `parts`:
 unloading or replacing a component retires it, and after a host eviction its loader merges again from the
 components' weights, read under the manager's lock.
 
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from app.errors import InvalidRequest, UnknownAdapter
-from app.names import ModelSpec, Term, parse_model
+from app.names import MergeMethod, ModelSpec, Term, parse_model
 from app.replica.lora.manager import AdapterManager
 from app.replica.lora.merge import merge_adapters
 from app.replica.lora.weights import LoraWeights
@@ -62,12 +63,14 @@ class Composition:
 
     def stages(self, adapter_id: str | None) -> Stages:
         """Adapter keys, one per pipeline stage, building the virtual adapter of any new merge (blocking)."""
-        return [self._stage_key(st, build=True) for st in self.spec(adapter_id).stages] or [None]
+        spec = self.spec(adapter_id)
+        return [self._stage_key(st, spec.method(i), build=True) for i, st in enumerate(spec.stages)] or [None]
 
     def lookup(self, adapter_id: str | None) -> Stages | None:
         """As `stages`, without building: None when a merge has no virtual adapter yet (then call `stages`
         off the event loop). Raises as `stages` does for unknown adapters and bad ids."""
-        keys = [self._stage_key(st, build=False) for st in self.spec(adapter_id).stages]
+        spec = self.spec(adapter_id)
+        keys = [self._stage_key(st, spec.method(i), build=False) for i, st in enumerate(spec.stages)]
         if any(k == "" for k in keys):
             return None
         return keys or [None]
@@ -84,14 +87,16 @@ class Composition:
             raise UnknownAdapter(f"adapter {t.ref!r} is not loaded on this kernel; loaded: {m.names()}")
         return key
 
-    def _stage_key(self, stage: tuple[Term, ...], *, build: bool) -> str:
+    def _stage_key(self, stage: tuple[Term, ...], method: MergeMethod | None, *, build: bool) -> str:
         """The adapter key serving one stage: the adapter itself, or a merge's virtual adapter ("" when that
         is not built yet and `build` is False)."""
-        if len(stage) == 1:
+        if len(stage) == 1 and method is None:
             return self.term_key(stage[0])
         while True:
             keys = tuple(self.term_key(t) for t in stage)
             name = "+".join(f"{k}*{t.weight:g}" for k, t in zip(keys, stage))
+            if method is not None and (method.kind != "cat" or len(stage) == 1):
+                name = method.text(name)
             key = self.manager.resolve(name)
             if key is not None or not build:
                 return key or ""
@@ -99,7 +104,7 @@ class Composition:
                 key = self.manager.resolve(name)
                 if key is not None:
                     return key
-                load = self._merger(name, keys, tuple(t.weight for t in stage))
+                load = self._merger(name, keys, tuple(t.weight for t in stage), method)
                 try:
                     return self.manager.register(name, 1, load, load(), parts=keys).key
                 except KeyError:
@@ -108,11 +113,13 @@ class Composition:
                     continue
 
     def _merger(
-        self, name: str, keys: tuple[str, ...], weights: tuple[float, ...]
+        self, name: str, keys: tuple[str, ...], weights: tuple[float, ...], method: MergeMethod | None
     ) -> Callable[[], LoraWeights]:
+        """The merge's loader: run now, and again after a host eviction (DARE's seed makes it the same)."""
         m = self.manager
 
         def load() -> LoraWeights:
-            return merge_adapters([(m.weights_of(k), w) for k, w in zip(keys, weights)], name)
+            terms = [(m.weights_of(k), w) for k, w in zip(keys, weights)]
+            return merge_adapters(terms, name, method=method)
 
         return load

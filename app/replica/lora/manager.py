@@ -8,6 +8,10 @@ Threads: the registry (register/unload/set_pinned/submitted/weights_of) is calle
 `_lock`; everything that touches pools or reference counts runs on the engine thread
 (admit/release/poll/lora_batch/finished); loads (disk/S3/Hub reads, parsing, validation) run on a background
 thread.
+
+DoRA adapters need the base model's weights once, to compute their per-output factors (dora.py): the manager is
+given `base_weights` and prepares every DoRA adapter before it is stored (register, on the caller's thread;
+background loads, on the loader thread), never on the engine thread.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.config.model_config import ModelConfig
+from app.replica.lora.dora import BaseWeights, with_dora_scales
 from app.replica.lora.pools import LoraBatch, Pool, PoolPlan, signature
 from app.replica.lora.weights import LoraWeights
 from app.replica.sequence import Sequence
@@ -58,10 +63,14 @@ class AdapterManager:
         dtype,
         device,
         on_ready: Callable[[], None] = lambda: None,
+        base_weights: BaseWeights | None = None,
     ):
+        """`base_weights`: the base model's checkpoint, read once per DoRA adapter load (None: DoRA adapters
+        are refused with a message saying so)."""
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
         self.cfg, self.dtype, self.device = model_cfg, dtype, device
+        self.base_weights = base_weights
         self.max_adapters = max_adapters
         self.max_cpu_adapters = max_cpu_adapters or max(2 * max_adapters, 64)
         self.entries: dict[str, AdapterEntry] = {}
@@ -87,8 +96,11 @@ class AdapterManager:
     ) -> AdapterEntry:
         """Make `weights` (re-read by `loader` after host eviction) the live version of `name`, retiring the
         previous one. `parts`: the keys of the adapters a merge is built from; the new entry retires with any of
-        them. Raises KeyError when one of them is already unloaded or replaced (the caller raced an unload)."""
+        them. Raises KeyError when one of them is already unloaded or replaced (the caller raced an unload), and
+        InvalidAdapter for a DoRA adapter the base weights do not fit."""
         key = f"{name}@{version}"
+        if weights is not None:
+            weights = with_dora_scales(weights, self.base_weights)  # the caller's thread, not the engine's
         with self._lock:
             gone = [k for k in parts if k not in self.entries or self.entries[k].retired]
             if gone:
@@ -245,7 +257,8 @@ class AdapterManager:
                 self._loaded.append(e.key)
             self.on_ready()
 
-        e.loading = self._loader.submit(e.loader)
+        loader = e.loader
+        e.loading = self._loader.submit(lambda: with_dora_scales(loader(), self.base_weights))
         e.loading.add_done_callback(done)
 
     def _install(self, e: AdapterEntry) -> bool:
@@ -261,8 +274,9 @@ class AdapterManager:
         sig = signature(e.weights)
         pool = self.pools.get(sig)
         if pool is None:
+            biases = self.base_weights.bias if self.base_weights is not None else None
             pool = self.pools[sig] = Pool(
-                len(self.pools), sig, self.cfg, self.max_adapters, self.dtype, self.device
+                len(self.pools), sig, self.cfg, self.max_adapters, self.dtype, self.device, biases
             )
         e.slot = (pool, pool.install(e.weights))
         return True

@@ -1,6 +1,6 @@
 """adapter_config.json: what PEFT's config says, checked before any tensor is read.
 
-Everything that would make our forward differ from PEFT's (DoRA, biases, modules_to_save, embeddings,
+Everything that would make our forward differ from PEFT's (biases, modules_to_save, embeddings,
 fan_in_fan_out, ...) is refused with an InvalidAdapter that names the field, rather than served subtly wrong.
 Targets, rank_pattern and alpha_pattern are resolved by PEFT's own matching rules against the base model's
 module names, so the (layer, module) pairs and ranks we expect are the ones PEFT would have created.
@@ -23,7 +23,6 @@ PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "
 
 # Config fields that change PEFT's forward in ways a plain B@A delta does not reproduce: each must be falsy.
 _REFUSED_FIELDS = {
-    "use_dora": "DoRA rescales the whole weight per column; retrain or merge it into the base model",
     "modules_to_save": "it replaces whole modules (often lm_head or a classifier); LoRA-Land only adds deltas",
     "fan_in_fan_out": "it is for Conv1D (GPT-2 style) layers, which Llama/Mistral/Qwen2 do not have",
     "lora_bias": "LoRA-Land's deltas carry no bias; retrain with lora_bias=False",

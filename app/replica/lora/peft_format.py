@@ -1,7 +1,7 @@
 """PEFT LoRA adapter folders as published: read and validate against the base model; summarise for the catalog.
 
 An adapter folder holds adapter_config.json (checked by peft_config.py) and adapter_model.safetensors (PEFT's
-`save_pretrained`). Pickled weights (adapter_model.bin) are never opened: unpickling runs arbitrary code. The
+`save_pretrained`): lora_A/lora_B per targeted linear, and with use_dora a lora_magnitude_vector. Pickled weights (adapter_model.bin) are never opened: unpickling runs arbitrary code. The
 tensor file is checked from its header (keys, shapes) before any tensor data is read.
 """
 
@@ -23,12 +23,14 @@ log = logging.getLogger(__name__)
 
 _KEY = re.compile(
     r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.(?P<module>\w+)"
-    r"\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[\w\-]+))?\.weight$"
+    r"\.(?:lora_(?P<ab>A|B)(?:\.(?P<adapter>[\w\-]+))?\.weight"
+    r"|lora_magnitude_vector(?:\.(?!weight$)(?P<mag_adapter>[\w\-]+))?(?:\.weight)?)$"
 )
 
 
 def _parse_keys(folder: Path, keys: list[str]) -> dict[tuple[int, str, str], str]:
-    """Map (layer, module, 'A'|'B') -> tensor key; refuse anything that is not a LoRA A/B of a decoder linear."""
+    """Map (layer, module, 'A'|'B'|'M') -> tensor key ('M': DoRA's magnitude); refuse anything that is not a
+    LoRA A/B (or DoRA magnitude) of a decoder linear."""
     out: dict[tuple[int, str, str], str] = {}
     names: set[str] = set()
     for key in keys:
@@ -36,18 +38,20 @@ def _parse_keys(folder: Path, keys: list[str]) -> dict[tuple[int, str, str], str
             raise refuse(
                 folder, f"tensor {key}: LoRA on embed_tokens/lm_head is not supported (target_modules)"
             )
-        if "lora_magnitude_vector" in key:
-            raise refuse(folder, f"tensor {key} is a DoRA magnitude (use_dora): not supported")
         m = _KEY.match(key)
         if m is None:
-            raise refuse(folder, f"tensor {key} is not a LoRA lora_A/lora_B weight of a decoder layer linear")
+            raise refuse(
+                folder,
+                f"tensor {key} is not a LoRA lora_A/lora_B weight (or DoRA lora_magnitude_vector) of a "
+                "decoder layer linear",
+            )
         module, block = m["module"], m["block"]
         if module not in LORA_MODULES or block != ("self_attn" if module in ATTN_MODULES else "mlp"):
             raise refuse(
                 folder, f"tensor {key}: unknown target module {block}.{module}; supported: {LORA_MODULES}"
             )
-        names.add(m["adapter"] or "")
-        out[(int(m["layer"]), module, m["ab"])] = key
+        names.add(m["adapter"] or m["mag_adapter"] or "")
+        out[(int(m["layer"]), module, m["ab"] or "M")] = key
     if len(names) > 1:
         raise refuse(folder, f"{WEIGHTS_FILE} holds several adapters {sorted(names)}: save one per folder")
     return out
@@ -100,16 +104,20 @@ def read_adapter(
             f"r={max(ranks.values())} (r/rank_pattern) exceeds max_lora_rank={max_rank}: use a smaller rank",
         )
     scales = C.scales(folder, cfg, model, ranks)
+    use_dora = bool(cfg.get("use_dora"))
     try:
         with safe_open(weights, framework="pt", device="cpu") as f:
-            tensors = _read_tensors(folder, f, model, ranks)
+            tensors, magnitude = _read_tensors(folder, f, model, ranks, use_dora)
     except SafetensorError as e:
         raise refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
     scale = next(iter(scales.values()))
-    if any(s != scale for s in scales.values()):  # alpha/rank patterns: fold each module's scale into its A
+    folded = any(s != scale for s in scales.values())
+    if folded:  # alpha/rank patterns: fold each module's scale into its A
         tensors = {k: (a * scales[k], b) for k, (a, b) in tensors.items()}
         scale = 1.0
-    tensors = pad_ranks(tensors)
+    padded = pad_ranks(tensors)
+    patterned = folded or any(padded[k][0].shape != tensors[k][0].shape for k in tensors)
+    tensors = padded
     return LoraWeights(
         name=name or folder.name,
         rank=max(a.shape[0] for a, _ in tensors.values()),
@@ -120,6 +128,8 @@ def read_adapter(
         layers=tuple(sorted({lay for lay, _ in tensors})),
         tensors=tensors,
         source=str(folder),
+        magnitude=magnitude if use_dora else None,
+        patterned=patterned,
     )
 
 
@@ -132,7 +142,7 @@ def _check_keys(folder: Path, keys: dict, model: ModelConfig, ranks: dict[tuple[
                 f"tensors for layer {layer} but the base model has {model.num_layers} layers "
                 "(num_hidden_layers): this adapter is for a different base model",
             )
-    present = {(lay, mod) for lay, mod, _ in keys}
+    present = {(lay, mod) for lay, mod, ab in keys if ab != "M"}
     for lay, mod in sorted(present):
         for ab in "AB":
             if (lay, mod, ab) not in keys:
@@ -153,14 +163,18 @@ def _check_keys(folder: Path, keys: dict, model: ModelConfig, ranks: dict[tuple[
         )
 
 
-def _read_tensors(folder: Path, f: Any, model: ModelConfig, ranks: dict[tuple[int, str], int]) -> Tensors:
+def _read_tensors(
+    folder: Path, f: Any, model: ModelConfig, ranks: dict[tuple[int, str], int], use_dora: bool
+) -> tuple[Tensors, dict]:
     """Check the file's keys against the config's targets and each tensor against the base model, then load
-    the (A, B) pairs as fp32. Shapes are checked from the header before any tensor data is read."""
+    the (A, B) pairs (and DoRA's magnitudes) as fp32. Shapes are checked from the header before any tensor
+    data is read."""
     import torch
 
     shapes = model.linear_shapes()
     keys = _parse_keys(folder, list(f.keys()))
     _check_keys(folder, keys, model, ranks)
+    magnitude = _read_magnitudes(folder, f, keys, ranks, shapes, use_dora)
     tensors = {}
     for lay, mod in sorted(ranks):
         (n_in, n_out), r = shapes[mod], ranks[(lay, mod)]
@@ -184,7 +198,40 @@ def _read_tensors(folder: Path, f: Any, model: ModelConfig, ranks: dict[tuple[in
             # (on the engine's step thread) is then a plain copy; the transpose is paid here, off that thread.
             pair.append(t.t().contiguous().t())
         tensors[(lay, mod)] = (pair[0], pair[1])
-    return tensors
+    return tensors, magnitude
+
+
+def _read_magnitudes(folder: Path, f: Any, keys: dict, ranks: dict, shapes: dict, use_dora: bool) -> dict:
+    """DoRA's magnitude m [out] of every target when use_dora; refuses one that is missing or stray."""
+    import torch
+
+    mags = {(lay, mod): k for (lay, mod, ab), k in keys.items() if ab == "M"}
+    if not use_dora:
+        if mags:
+            raise refuse(
+                folder,
+                f"tensor {next(iter(mags.values()))} is a DoRA magnitude but adapter_config.json has no "
+                "use_dora=true: the config does not describe these weights",
+            )
+        return {}
+    missing = sorted(set(ranks) - set(mags))
+    if missing or set(mags) - set(ranks):
+        what = (
+            f"no lora_magnitude_vector for {missing[:3]}" if missing else "magnitudes for untargeted modules"
+        )
+        raise refuse(folder, f"use_dora=true but the file has {what}: the file is incomplete or mislabelled")
+    out = {}
+    for (lay, mod), key in sorted(mags.items()):
+        got, want = list(f.get_slice(key).get_shape()), [shapes[mod][1]]
+        if got != want:
+            raise refuse(folder, f"tensor {key} has shape {got}, expected {want} (the {mod} output size)")
+        t = f.get_tensor(key)
+        if not t.is_floating_point() or not torch.isfinite(t).all():
+            raise refuse(
+                folder, f"tensor {key} must hold finite floating-point values: the adapter is corrupt"
+            )
+        out[(lay, mod)] = t.to(torch.float32)
+    return out
 
 
 def adapter_summary(folder: str | Path) -> dict:
@@ -204,6 +251,7 @@ def adapter_summary(folder: str | Path) -> dict:
         "rank": int(max([cfg["r"], *(cfg.get("rank_pattern") or {}).values()])),
         "alpha": float(cfg["lora_alpha"]),
         "use_rslora": bool(cfg.get("use_rslora")),
+        "use_dora": bool(cfg.get("use_dora")),
         "target_modules": sorted({m for _, m, _ in keys}),
         "layers": sorted({lay for lay, _, _ in keys}),
         "files": files,

@@ -1,15 +1,18 @@
 """Device pools: adapters' tensors laid out for the grouped LoRA kernels, and the per-step LoRA plan.
 
-Adapters with the same shape signature (rank of every targeted (layer, module)) share one pool, so a rank-4
-adapter never pays for rank-64 slots and a q/v adapter never pays for MLP slots. Per (layer, fused linear) a
-pool holds A [cap, in, sum of ranks] (q/k/v and gate/up A's side by side, so one shrink serves all three) and
-one B [cap, r, out] per module with alpha/r folded in.
+Adapters with the same shape signature (rank of every targeted (layer, module), and DoRA or not) share one
+pool, so a rank-4 adapter never pays for rank-64 slots and a q/v adapter never pays for MLP slots. Per (layer,
+fused linear) a pool holds A [cap, in, sum of ranks] (q/k/v and gate/up A's side by side, so one shrink serves
+all three) and one B [cap, r, out] per module with alpha/r folded in. A DoRA pool also holds, per module, the
+factor f [cap, out] (dora.py) and the base linear's bias [out] (shared by the slots): its B has f folded in too,
+and the expand rescales the base output of its rows by f (kernels/lora.py). Plain LoRA pools carry neither.
 
 Pools are touched only on the engine thread (install on admit, remove on eviction, reads in LoraBatch.apply).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -26,7 +29,12 @@ GROUPS = {
 }
 MODULE_GROUP = {m: g for g, ms in GROUPS.items() for m in ms}
 
-Signature = tuple[tuple[int, str, int], ...]  # sorted (layer, module, rank)
+
+class Signature(NamedTuple):
+    """What decides an adapter's pool: its sorted (layer, module, rank) entries, and whether it is DoRA."""
+
+    ranks: tuple[tuple[int, str, int], ...]
+    dora: bool = False
 
 
 class ModuleB(NamedTuple):
@@ -37,35 +45,57 @@ class ModuleB(NamedTuple):
     r1: int
     c0: int  # its columns c0:c1 of the fused output (q/k/v side by side)
     c1: int
-    B: torch.Tensor  # [cap, r1 - r0, c1 - c0], scale folded in
+    B: torch.Tensor  # [cap, r1 - r0, c1 - c0], scale (and DoRA's f) folded in
+    base_scale: torch.Tensor | None = None  # DoRA pools: f [cap, c1 - c0]
+    base_bias: torch.Tensor | None = None  # DoRA pools: the base linear's bias [c1 - c0] (None: no bias)
 
 
 class GroupWeights:
     """One pool's tensors for one fused linear of one layer."""
 
-    def __init__(self, cap: int, d_in: int, modules: list[tuple[str, int, int, int]], dtype, device):
-        # modules: (module, rank, out_features, column offset in the fused output), in fused-output order
+    def __init__(
+        self,
+        cap: int,
+        d_in: int,
+        modules: list[tuple[str, int, int, int]],
+        dtype,
+        device,
+        biases: dict[str, torch.Tensor | None] | None = None,
+    ):
+        # modules: (module, rank, out_features, column offset in the fused output), in fused-output order;
+        # biases: DoRA pools only, module -> the base linear's bias (or None)
         self.rank_total = sum(r for _, r, _, _ in modules)
         self.A = torch.empty(cap, d_in, self.rank_total, dtype=dtype, device=device)
         self.parts: list[ModuleB] = []
         r0 = 0
         for module, r, out, col in modules:
             B = torch.empty(cap, r, out, dtype=dtype, device=device)
-            self.parts.append(ModuleB(module, r0, r0 + r, col, col + out, B))
+            f = bias = None
+            if biases is not None:
+                f = torch.empty(cap, out, dtype=dtype, device=device)
+                b = biases.get(module)
+                bias = None if b is None else b.to(device=device, dtype=dtype)
+            self.parts.append(ModuleB(module, r0, r0 + r, col, col + out, B, f, bias))
             r0 += r
 
     def grow(self, cap: int) -> None:
-        def bigger(t: torch.Tensor) -> torch.Tensor:
+        def bigger(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
             n = torch.empty(cap, *t.shape[1:], dtype=t.dtype, device=t.device)
             n[: t.shape[0]] = t
             return n
 
         self.A = bigger(self.A)
-        self.parts = [p._replace(B=bigger(p.B)) for p in self.parts]
+        self.parts = [p._replace(B=bigger(p.B), base_scale=bigger(p.base_scale)) for p in self.parts]
 
     def nbytes_per_slot(self) -> int:
         per = self.A[0].numel() * self.A.element_size()
-        return per + sum(p.B[0].numel() * p.B.element_size() for p in self.parts)
+        for p in self.parts:
+            per += p.B[0].numel() * p.B.element_size()
+            if p.base_scale is not None:
+                per += p.base_scale[0].numel() * p.base_scale.element_size()
+        return per
 
 
 class Pool:
@@ -73,9 +103,21 @@ class Pool:
     front with torch.empty: untouched pages are never committed, so memory follows the slots in use. On CUDA
     they grow by doubling."""
 
-    def __init__(self, index: int, signature: Signature, cfg: ModelConfig, max_slots: int, dtype, device):
+    def __init__(
+        self,
+        index: int,
+        signature: Signature,
+        cfg: ModelConfig,
+        max_slots: int,
+        dtype,
+        device,
+        biases: Callable[[int, str], torch.Tensor | None] | None = None,
+    ):
+        """`biases(layer, module)`: the base linears' biases, needed by (and only by) a DoRA pool."""
         self.index, self.signature = index, signature
-        ranks = {(layer, m): r for layer, m, r in signature}
+        if signature.dora and biases is None:
+            raise ValueError("a DoRA pool needs the base linears' biases (biases=BaseWeights.bias)")
+        ranks = {(layer, m): r for layer, m, r in signature.ranks}
         shapes = cfg.linear_shapes()
         offsets = {
             "q_proj": 0,
@@ -95,8 +137,9 @@ class Pool:
                     (m, ranks[(layer, m)], shapes[m][1], offsets[m]) for m in modules if (layer, m) in ranks
                 ]
                 if present:
+                    bias = {m: biases(layer, m) for m, *_ in present} if signature.dora else None
                     self.groups[(layer, g)] = GroupWeights(
-                        self.cap, shapes[modules[0]][0], present, dtype, device
+                        self.cap, shapes[modules[0]][0], present, dtype, device, bias
                     )
         self.free = list(range(self.cap - 1, -1, -1))  # lowest index first keeps the high-water mark tight
         self.used: set[int] = set()
@@ -115,12 +158,21 @@ class Pool:
             self.free = list(range(new_cap - 1, self.cap - 1, -1))
             self.cap = new_cap
         self.free.sort(reverse=True)
+        if lw.is_dora != self.signature.dora or (lw.is_dora and lw.dora_scale is None):
+            raise ValueError(
+                f"adapter {lw.name!r} does not fit this pool (DoRA factors missing or unexpected)"
+            )
         slot = self.free.pop()
         for (layer, _), gw in self.groups.items():
             for p in gw.parts:
                 a, b = lw.tensors[(layer, p.module)]
                 gw.A[slot, :, p.r0 : p.r1].copy_(a.t())
-                p.B[slot].copy_((b * lw.scale).t())
+                if p.base_scale is None:
+                    p.B[slot].copy_((b * lw.scale).t())
+                else:  # DoRA: f * s * B (f per output row of B), and f for the base output's rescale
+                    f = lw.dora_scale[(layer, p.module)]
+                    p.B[slot].copy_((b * (lw.scale * f)[:, None]).t())
+                    p.base_scale[slot].copy_(f)
         self.used.add(slot)
         return slot
 
@@ -130,7 +182,9 @@ class Pool:
 
 
 def signature(lw: LoraWeights) -> Signature:
-    return tuple(sorted((layer, m, a.shape[0]) for (layer, m), (a, _) in lw.tensors.items()))
+    return Signature(
+        tuple(sorted((layer, m, a.shape[0]) for (layer, m), (a, _) in lw.tensors.items())), lw.is_dora
+    )
 
 
 class PoolPlan(NamedTuple):
@@ -150,11 +204,19 @@ class LoraBatch:
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[:, fused columns] += the LoRA deltas of `group` in `layer`: one shrink per pool, then one expand
-        per module of the group (kernels' expand_sliced), whatever the number of adapters."""
+        per module of the group (kernels' expand_sliced), whatever the number of adapters.
+
+        Contract (DoRA): `out` must hold the base linear's output, bias included, for every row when this is
+        called (base GEMM first, then apply): a DoRA pool rescales its rows' base output per column."""
         for pool, s, e, seg in self.plans:
             gw = pool.groups.get((layer, group))
             if gw is None:
                 continue
             hw = seg.num_slots
             z = K.shrink(x[s:e], gw.A[:hw], seg)
-            K.expand_sliced([out[s:e, p.c0 : p.c1] for p in gw.parts], z, [p.B[:hw] for p in gw.parts], seg)
+            ys, Bs = [out[s:e, p.c0 : p.c1] for p in gw.parts], [p.B[:hw] for p in gw.parts]
+            if pool.signature.dora:
+                fs, bs = [p.base_scale[:hw] for p in gw.parts], [p.base_bias for p in gw.parts]
+                K.expand_sliced(ys, z, Bs, seg, base_scales=fs, base_biases=bs)
+            else:
+                K.expand_sliced(ys, z, Bs, seg)

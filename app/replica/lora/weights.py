@@ -3,6 +3,10 @@
 Invariant: for each module, every layer that carries it has the same rank (module_rank). A per-layer
 rank_pattern, or a merge where only some terms touch a layer, is padded with zero rows of A and zero columns of
 B (pad_ranks), which leaves the delta unchanged. (layer, module) pairs absent from `tensors` contribute zero.
+
+DoRA (PEFT use_dora): `magnitude` holds the trained vector m [out] of every (layer, module). The forward needs
+m / ||W + scale*B@A|| per output, which depends on the base weights W: app/replica/lora/dora.py computes it
+once per adapter (`dora_scale`) before the adapter is installed.
 """
 
 from __future__ import annotations
@@ -27,11 +31,25 @@ class LoraWeights:
     # (layer, module) -> (A [r, in], B [out, r])
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     source: str = ""
+    # DoRA: (layer, module) -> magnitude m [out] as trained; None for a plain LoRA
+    magnitude: dict[tuple[int, str], torch.Tensor] | None = None
+    # DoRA: (layer, module) -> m / ||W + scale*B@A|| [out] (dora.py, against the base weights); None until then
+    dora_scale: dict[tuple[int, str], torch.Tensor] | None = None
+    # rank_pattern/alpha_pattern made module ranks or scales differ: ranks are zero-padded and each module's
+    # scale is folded into its A, so the per-module A and B are not PEFT's (merges that mix A's and B's
+    # entrywise refuse such adapters)
+    patterned: bool = False
+
+    @property
+    def is_dora(self) -> bool:
+        return self.magnitude is not None
 
     def nbytes(self) -> int:
-        return sum(
+        """Bytes of the adapter's tensors on a device: A and B, and one vector per module for DoRA."""
+        own = sum(
             a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values()
         )
+        return own + sum(m.numel() * m.element_size() for m in (self.magnitude or {}).values())
 
     def module_rank(self, module: str) -> int:
         """Rank of `module` (the same in every layer that carries it); 0 when the adapter does not target it."""
