@@ -32,5 +32,13 @@ class QueueFull(LoraLandError):
         self.retry_after_s = retry_after_s
 
 
+class QuotaExceeded(LoraLandError):
+    """A tenant or adapter is over a quota at the ingress (HTTP 429 with Retry-After from its bucket)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class CatalogUnavailable(LoraLandError):
     """Redis cannot be reached; the message names the URL."""

@@ -1,6 +1,6 @@
 """The Redis catalog, one client of it: the adapter registry (app/catalog/registry.py), tenants and API keys
-(tenants.py), replica placement with heartbeats (replicas.py), and change events on pub/sub (here). Redis is the
-source of truth; writes that must agree run as Lua scripts (lua.py), so they are atomic."""
+(tenants.py), quotas (quotas.py), replica placement with heartbeats (replicas.py), and change events on pub/sub
+(here). Redis is the source of truth; writes that must agree run as Lua scripts (lua.py), so they are atomic."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import redis
 
 from app.catalog.conn import guard, redact_url
+from app.catalog.quotas import QuotaStore
 from app.catalog.records import AdapterRecord, ReplicaInfo
 from app.catalog.registry import AdapterRegistry
 from app.catalog.replicas import ReplicaDirectory
@@ -25,7 +26,7 @@ __all__ = ["AdapterRecord", "Catalog", "ReplicaInfo", "hash_api_key", "redact_ur
 log = logging.getLogger(__name__)
 
 
-class Catalog(AdapterRegistry, TenantDirectory, ReplicaDirectory):
+class Catalog(AdapterRegistry, TenantDirectory, ReplicaDirectory, QuotaStore):
     """One client of the catalog; thread-safe (redis-py pools connections). Connects (and pings) at once, so a
     wrong URL fails here with CatalogUnavailable rather than on first use."""
 

@@ -1,4 +1,5 @@
-"""`loraland tenants ...`: create tenants, list them, rotate their API keys (a key is printed once, when made)."""
+"""`loraland tenants ...`: create tenants, list them, rotate their API keys (a key is printed once, when made),
+and set or show the quotas of tenants and adapters (app/catalog/quotas.py; no quota is unlimited)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,51 @@ def register(subparsers: Any) -> None:
     p = t.add_parser("rotate-key", parents=[js], help="replace NAME's API key (the old one stops working)")
     p.add_argument("name")
     p.set_defaults(func=cmd_tenant_rotate)
+    p = t.add_parser(
+        "set-quota",
+        parents=[js],
+        help="change NAME's quota: only the limits given change; 'none' removes a limit",
+        description="Quotas hold across all ingress replicas; over one a request gets 429 with Retry-After.",
+    )
+    p.add_argument("name", help="a tenant, or with --adapter an adapter")
+    _scope_option(p)
+    p.add_argument("--concurrent", type=_limit, metavar="N|none", help="requests in progress at once")
+    p.add_argument("--rpm", type=_limit, metavar="N|none", help="requests per minute")
+    p.add_argument("--tpm", type=_limit, metavar="N|none", help="tokens (prompt + completion) per minute")
+    p.add_argument("--clear", action="store_true", help="remove every limit (unlimited)")
+    p.set_defaults(func=cmd_set_quota)
+    p = t.add_parser("get-quota", parents=[js], help="show NAME's quota")
+    p.add_argument("name", help="a tenant, or with --adapter an adapter")
+    _scope_option(p)
+    p.set_defaults(func=cmd_get_quota)
+    p = t.add_parser("quotas", parents=[js], help="every quota set, on tenants and adapters")
+    p.set_defaults(func=cmd_quotas)
+
+
+_NONE = object()  # "--rpm none": remove the limit (argparse's None means the option was not given)
+
+
+def _limit(text: str) -> object:
+    if text.lower() in ("none", "unlimited"):
+        return _NONE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'none'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'none'")
+    return value
+
+
+def _scope_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--adapter",
+        dest="kind",
+        action="store_const",
+        const="adapter",
+        default="tenant",
+        help="NAME is an adapter: its quota counts every tenant's requests to it",
+    )
 
 
 def cmd_tenant_create(args: argparse.Namespace) -> int:
@@ -65,4 +111,51 @@ def cmd_tenant_list(args: argparse.Namespace) -> int:
         for t in tenants
     ]
     table(["NAME", "ADAPTERS", "KEY", "CREATED", "ROTATED"], rows)
+    return 0
+
+
+def _show_quota(args: argparse.Namespace, quota: Any) -> None:
+    limits = (quota.to_dict() if quota else {"concurrent": None, "requests_per_minute": None,
+              "tokens_per_minute": None})  # fmt: skip
+    if args.json:
+        print_json({"scope": args.kind, "name": args.name, **limits})
+    else:
+        print(f"{args.kind} {args.name}: {quota.describe() if quota else 'unlimited'}")
+
+
+def cmd_set_quota(args: argparse.Namespace) -> int:
+    from app.errors import InvalidRequest
+
+    given = {"concurrent": args.concurrent, "requests_per_minute": args.rpm, "tokens_per_minute": args.tpm}
+    changes = {k: (None if v is _NONE else v) for k, v in given.items() if v is not None}
+    if args.clear and changes:
+        raise InvalidRequest("--clear removes every limit: give it alone, or give only the limits to change")
+    if not args.clear and not changes:
+        raise InvalidRequest("nothing to change: give --concurrent, --rpm, --tpm (N or 'none') or --clear")
+    quota = catalog_from_args(args).set_quota(args.kind, args.name, changes, merge=not args.clear)
+    _show_quota(args, quota)
+    return 0
+
+
+def cmd_get_quota(args: argparse.Namespace) -> int:
+    _show_quota(args, catalog_from_args(args).get_quota(args.kind, args.name))
+    return 0
+
+
+def cmd_quotas(args: argparse.Namespace) -> int:
+    quotas = catalog_from_args(args).quotas()
+    rows = []
+    for sid, q in sorted(quotas.items()):
+        kind, _, name = sid.partition(":")
+        rows.append({"scope": kind, "name": name, **q.to_dict()})
+    if args.json:
+        print_json(rows)
+        return 0
+    table(
+        ["SCOPE", "NAME", "CONCURRENT", "REQUESTS/MIN", "TOKENS/MIN"],
+        [
+            [r["scope"], r["name"], r["concurrent"], r["requests_per_minute"], r["tokens_per_minute"]]
+            for r in rows
+        ],
+    )
     return 0

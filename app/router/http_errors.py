@@ -16,6 +16,7 @@ from app.errors import (
     InvalidRequest,
     LoraLandError,
     QueueFull,
+    QuotaExceeded,
     UnknownAdapter,
 )
 from app.protocol import RequestFailed
@@ -26,6 +27,7 @@ _TABLE: list[tuple[type[BaseException], int, str, str]] = [
     (InvalidAdapter, 400, "invalid_request_error", "invalid_adapter"),
     (InvalidRequest, 400, "invalid_request_error", "invalid_value"),
     (QueueFull, 429, "rate_limit_error", "queue_full"),
+    (QuotaExceeded, 429, "rate_limit_error", "quota_exceeded"),
     (AdapterUnavailable, 503, "service_unavailable", "adapter_unavailable"),
     (CatalogUnavailable, 503, "service_unavailable", "catalog_unavailable"),
 ]

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI) and the Serve deployment that hosts it.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: true = server-sent events), GET /v1/models;
-admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/placement; GET /healthz.
+admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/placement, GET/PUT
+/v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/quotas.py); GET /healthz.
 Every error is OpenAI-shaped, with its status chosen in app/router/http_errors.py.
 """
 
@@ -21,6 +22,7 @@ from app.config.settings import Settings
 from app.router import openai_schema as oa
 from app.router.auth import Authenticator
 from app.router.http_errors import error_reply
+from app.router.quotas import QuotaLimiter, add_quota_routes
 from app.router.replica_client import ReplicaStream, ServeBackend
 from app.router.service import CatalogProxy, IngressService
 
@@ -36,9 +38,11 @@ def _error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
 
 
-def build_api(service: IngressService, auth: Authenticator) -> FastAPI:
+def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter | None = None) -> FastAPI:
     """The FastAPI app for `service`; used by the Serve deployment and directly by in-process tests."""
     api = FastAPI(title="LoRA-Land", docs_url=None, redoc_url=None)
+    api.state.quotas = quotas = quotas or QuotaLimiter.for_service(service)
+    add_quota_routes(api, auth, service.catalog)  # first: /v1/adapters/{name:path} would take its paths
 
     async def generate(request: Request, chat: bool) -> Response:
         caller = auth.caller(request.headers.get("authorization"))
@@ -48,6 +52,7 @@ def build_api(service: IngressService, auth: Authenticator) -> FastAPI:
         spec, records = await service.resolve(req.model, caller)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         stream = service.stream(service.request(req, spec, records, chat, rid, caller), spec.canonical())
+        stream = await quotas.admit(stream)  # 429 over a tenant's or adapter's quota
         if req.stream:
             return await _stream(service, req, stream, rid, chat)
         choices = await stream.collect()
