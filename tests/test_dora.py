@@ -194,9 +194,10 @@ def test_dora_refusals(case, tmp_path):
         "shape": (variant("shape", widen), "shape"),
         "nan": (variant("nan", nan), "finite"),
     }
-    for kind, (folder, msg) in cases.items():
+    for folder, msg in cases.values():
         with pytest.raises(InvalidAdapter, match=msg):
             read_adapter(folder, mc)
+
     # a PeftModel's state_dict form (the adapter name inside every key) reads the same
     def old_keys(t):
         for k in list(t):
