@@ -1,0 +1,300 @@
+"""Placement at scale: a discrete-event simulator of R replicas x A adapters under zipf traffic.
+
+    python -m load_tests.placement_sim            # 1,000 replicas x 1,000,000 adapters, alpha 0.8/1.0/1.2
+    python -m load_tests.placement_sim --quick    # 50 x 20,000, 20k requests: seconds
+
+Writes load_tests/results/placement_sim.json and placement_sim.png, prints one table and the issue-17 goals.
+
+Policies (same replicas, same request stream, same seed):
+- ours: app/router/request_router.py's AdapterAffinityRouter calling app.router.placement.rank_replicas and
+  view_from_stats themselves (load_tests/placement_sim_ours.py explains the exact candidate pruning);
+- ours_hot: ours plus the hottest adapters pinned on several replicas, known to the router as catalog
+  placement (load_tests/placement_sim_ours.hot_pins);
+- ray_multiplex: Ray Serve 2.60.0 (wheel commit b7f4259e944bf6959f721b106adc366ddfa0c356), rewritten from
+  python/ray/serve/_private/request_router/pow_2_router.py (PowerOfTwoChoicesRequestRouter.choose_replicas),
+  python/ray/serve/_private/request_router/request_router.py (MultiplexMixin.apply_multiplex_routing,
+  _get_replica_ids_with_fewest_multiplexed_models, _multiplexed_matching_timeout, _select_from_candidate_replicas,
+  _choose_replicas_with_backoff), python/ray/serve/multiplex.py (replicas push loaded + loading model ids
+  every PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S = 0.1 s) and python/ray/serve/_private/constants.py (matching
+  timeout 1.0 s drawn from [1, 2) s; retry sleep 25 ms doubling to 0.5 s, the first retry immediate);
+- pow2: the same router without a model id; random: a uniformly random replica with room.
+
+The replica model and where its numbers come from (change any with the flags):
+- max_ongoing 64: AppConfig.max_ongoing_requests, and the concurrency README's HTTP numbers were measured at;
+- service 41.8 s mean (exponential): README "seed experiment over HTTP" served 98.1 tok/s with 200 adapters
+  and 64 requests in flight, workload W's 64 new tokens each -> 64 / (98.1 / 64) s; a replica completes
+  64 / 41.8 = 1.53 req/s when full, and a request holds one batch slot for its whole service time;
+- cold load 69 ms: README P5 (S3-only adapter, cold minus warm TTFT, median), 2 loader threads
+  (AdapterManager's pool); loads cost latency only (README: 10 concurrent cold loads left other requests'
+  p99 TPOT unchanged);
+- host_slots 1024 / device_slots 128: serve_config.yaml kernel.max_cpu_adapters / max_adapters; `resident`
+  in the router's view is the host LRU, `free_slots` the device slots;
+- stats every 1.0 s (AppConfig.routing_stats_period_s), router memory 30 s (ASSIGNMENT_TTL_S),
+  PlacementPolicy defaults (overload_load 0.9 as serve_config.yaml, max_per_tier 4);
+- not modeled: KV cache (kv_usage 0), routing time, more than one router, Ray's one-load-at-a-time lock
+  (every policy gets the same replicas, so only routing differs); Ray's max_num_models_per_replica = host_slots.
+
+Metrics over the requests after the warm-up fraction: hit rate (the adapter was resident or already loading
+on the chosen replica: no new cold load), the same excluding first touches (requests for an adapter never
+requested before in the stream: misses under any policy), max/mean of replicas' time-averaged load
+(ongoing / max_ongoing), cold loads per second, queueing delay (arrival to start of service: router retries
+plus waiting for a load) p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+from load_tests.placement_sim_core import (
+    HIT,
+    JOINED,
+    MISS,
+    NO_HOLDER,
+    SPILL,
+    TO_HOLDER,
+    SimConfig,
+    Simulation,
+    Workload,
+)
+from load_tests.placement_sim_ours import OursPolicy, hot_pins
+from load_tests.placement_sim_policies import Pow2Policy, RandomPolicy, RayMultiplexPolicy
+from load_tests.placement_sim_proposal import BoundedLoadPolicy
+
+POLICIES = ("ours", "ours_hot", "ray_multiplex", "pow2", "random")
+MORE_POLICIES = ("ours_bounded", "ours_bounded_hot")  # tried, not recommended (placement_sim_proposal.py)
+RESULTS = Path(__file__).parent / "results"
+GOAL_HIT, GOAL_BALANCE, GOAL_FEWER_COLD = 0.95, 1.2, 0.30
+
+
+def make_policy(name: str, cfg: SimConfig, w: Workload, *, exact: bool = False):
+    if name == "ours":
+        return OursPolicy(exact=exact)
+    if name == "ours_hot":
+        return OursPolicy(exact=exact, pins=hot_pins(cfg, w), name="ours_hot")
+    if name == "ours_bounded":
+        return OursPolicy(BoundedLoadPolicy(), exact=exact, name="ours_bounded")
+    if name == "ours_bounded_hot":
+        return OursPolicy(BoundedLoadPolicy(), exact=exact, pins=hot_pins(cfg, w), name="ours_bounded_hot")
+    if name == "ray_multiplex":
+        return RayMultiplexPolicy()
+    if name == "pow2":
+        return Pow2Policy()
+    if name == "random":
+        return RandomPolicy()
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES + MORE_POLICIES)}")
+
+
+def check_invariants(sim: Simulation) -> None:
+    """Every request routed once, served and accounted; raise AssertionError naming what broke."""
+    n = len(sim.w.arrival_s)
+    assert min(sim.replica_of) >= 0, "a request was never routed"
+    assert sim.finished == n == sum(sim.served), f"finished {sim.finished}, served {sum(sim.served)} of {n}"
+    assert not any(sim.ongoing), "requests still counted on replicas after the run"
+    assert not any(sim.loading), "adapter loads still under way after the run"
+    counts = np.bincount(np.asarray(sim.outcome), minlength=3)
+    assert counts.sum() == n and min(sim.outcome) >= 0, "an outcome is missing"
+    pinned = set().union(*sim.pinned)
+    first = [i for i in np.flatnonzero(sim.w.first_touch).tolist() if sim.w.adapter[i] not in pinned]
+    assert all(sim.outcome[i] == MISS for i in first), "a first touch of an unpinned adapter was not a miss"
+    busy = sum(sim.delay_s) + sum(sim.w.service_s)  # each request occupies its replica from routing to done
+    assert math.isclose(sum(sim.area), busy, rel_tol=1e-6), f"load integral {sum(sim.area)} != {busy}"
+    for r in range(sim.cfg.replicas):
+        assert len(sim.host[r]) + len(sim.pinned[r]) <= max(sim.cfg.host_slots, len(sim.pinned[r]) + 1)
+        assert len(sim.device[r]) <= sim.cfg.device_slots
+
+
+def summarize(sim: Simulation) -> dict:
+    cfg, w = sim.cfg, sim.w
+    warm = int(len(w.arrival_s) * cfg.warmup_frac)
+    (t0, area0, served0), (t1, area1, served1) = sim.marks["warm"], sim.marks["end"]
+    dur = t1 - t0
+    out = np.asarray(sim.outcome[warm:])
+    first_mask = w.first_touch[warm:]
+    first = int(first_mask.sum())
+    n = len(out)
+    hits, joined, misses = (int((out == k).sum()) for k in (HIT, JOINED, MISS))
+    later_misses = int((out[~first_mask] == MISS).sum())  # pinned adapters make some first touches hits
+    why = np.asarray(sim.why[warm:])[out == MISS]
+    load = (np.asarray(area1) - np.asarray(area0)) / dur / cfg.max_ongoing
+    served = np.asarray(served1) - np.asarray(served0)
+    delay_ms = np.asarray(sim.delay_s[warm:]) * 1000.0
+    return {
+        "requests": n,
+        "window_s": dur,
+        "hit_rate": (hits + joined) / n,
+        "resident_hit_rate": hits / n,
+        "hit_rate_excl_first_touch": 1 - later_misses / max(1, n - first),
+        "first_touch_frac": first / n,
+        "cold_loads": misses,
+        "cold_loads_per_s": misses / dur,
+        "avoidable_cold_loads_per_s": later_misses / dur,
+        # Where the cold loads came from, for policies that know holders: the router's view was stale,
+        # it passed over the holders (overloaded or full), or it knew of none.
+        "cold_at_believed_holder_per_s": int((why == TO_HOLDER).sum()) / dur,
+        "cold_spill_per_s": int((why == SPILL).sum()) / dur,
+        "cold_no_holder_per_s": int((why == NO_HOLDER).sum()) / dur,
+        "load_mean": float(load.mean()),
+        "load_max": float(load.max()),
+        "load_max_over_mean": float(load.max() / load.mean()),
+        "load_p99_over_mean": float(np.percentile(load, 99) / load.mean()),
+        "served_max_over_mean": float(served.max() / served.mean()),
+        "queue_delay_ms_p50": float(np.percentile(delay_ms, 50)),
+        "queue_delay_ms_p99": float(np.percentile(delay_ms, 99)),
+        "queue_delay_ms_max": float(delay_ms.max()),
+        "router_retries": sim.retries,
+        "replica_loads": load.tolist(),
+    }
+
+
+def run_one(cfg: SimConfig, name: str, w: Workload, *, exact: bool = False) -> tuple[dict, Simulation]:
+    policy = make_policy(name, cfg, w, exact=exact)
+    t0 = time.perf_counter()
+    sim = Simulation(cfg, w, policy).run()
+    wall = time.perf_counter() - t0
+    check_invariants(sim)
+    row = {"policy": name, "alpha": cfg.alpha, "wall_s": wall, **summarize(sim)}
+    if isinstance(policy, OursPolicy):
+        row["rank_calls"], row["full_rank_calls"] = policy.calls, policy.full_calls
+        row["full_rank_call_ms"] = 1000.0 * policy.full_call_cost_s(50)
+        row["router_memory_adapters"] = len(policy.recent)  # what _recent_placement() walks per request
+    return row, sim
+
+
+COLUMNS = [
+    ("alpha", "alpha", "{:.1f}"),
+    ("policy", "policy", "{}"),
+    ("hit%", "hit_rate", "{:.1%}"),
+    ("hit% !1st", "hit_rate_excl_first_touch", "{:.1%}"),
+    ("1st-touch%", "first_touch_frac", "{:.1%}"),
+    ("max/mean", "load_max_over_mean", "{:.2f}"),
+    ("mean load", "load_mean", "{:.2f}"),
+    ("cold/s", "cold_loads_per_s", "{:.1f}"),
+    ("avoidable/s", "avoidable_cold_loads_per_s", "{:.2f}"),
+    ("spill/s", "cold_spill_per_s", "{:.2f}"),
+    ("stale/s", "cold_at_believed_holder_per_s", "{:.2f}"),
+    ("p99 q ms", "queue_delay_ms_p99", "{:.0f}"),
+    ("wall s", "wall_s", "{:.0f}"),
+]
+
+
+def table(rows: list[dict]) -> str:
+    cells = [[h for h, _, _ in COLUMNS]] + [[f.format(r[k]) for _, k, f in COLUMNS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(wd) for c, wd in zip(line, widths)) for line in cells)
+
+
+def goals(rows: list[dict], alpha: float = 1.0) -> list[str]:
+    """The issue's figures at alpha = 1.0, each line saying met / NOT met with the numbers."""
+    by = {r["policy"]: r for r in rows if r["alpha"] == alpha}
+    lines = []
+    for name in ("ours", "ours_hot"):
+        if name not in by:
+            continue
+        o = by[name]
+        checks = [
+            (
+                f"hit rate {o['hit_rate']:.1%} (excl. first touches {o['hit_rate_excl_first_touch']:.1%})"
+                f" >= {GOAL_HIT:.0%}",
+                o["hit_rate"] >= GOAL_HIT,
+            ),
+            (
+                f"max/mean load {o['load_max_over_mean']:.2f} <= {GOAL_BALANCE}",
+                o["load_max_over_mean"] <= GOAL_BALANCE,
+            ),
+        ]
+        if "ray_multiplex" in by:
+            ray = by["ray_multiplex"]
+            change = o["cold_loads_per_s"] / ray["cold_loads_per_s"] - 1
+            avoid = o["avoidable_cold_loads_per_s"] / max(1e-9, ray["avoidable_cold_loads_per_s"]) - 1
+            checks.append(
+                (
+                    f"cold loads {change:+.0%} vs ray_multiplex ({o['cold_loads_per_s']:.1f} vs "
+                    f"{ray['cold_loads_per_s']:.1f}/s; avoidable ones {avoid:+.0%}), needs <= "
+                    f"-{GOAL_FEWER_COLD:.0%}",
+                    change <= -GOAL_FEWER_COLD,
+                )
+            )
+        for text, ok in checks:
+            lines.append(f"  {name} @ alpha {alpha}: {text}: {'met' if ok else 'NOT met'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m load_tests.placement_sim", description=__doc__.split("\n")[0]
+    )
+    d = SimConfig()
+    ap.add_argument("--quick", action="store_true", help="50 replicas x 20,000 adapters x 20,000 requests")
+    ap.add_argument("--replicas", type=int, default=d.replicas)
+    ap.add_argument("--adapters", type=int, default=d.adapters)
+    ap.add_argument("--requests", type=int, default=d.requests)
+    ap.add_argument("--alphas", default="0.8,1.0,1.2")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--utilization", type=float, default=d.utilization)
+    ap.add_argument("--host-slots", type=int, default=d.host_slots)
+    ap.add_argument("--device-slots", type=int, default=d.device_slots)
+    ap.add_argument("--max-ongoing", type=int, default=d.max_ongoing)
+    ap.add_argument("--service-s", type=float, default=d.service_s)
+    ap.add_argument("--load-s", type=float, default=d.load_s)
+    ap.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--exact", action="store_true", help="ours calls rank_replicas with every replica (slow)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--no-plots", action="store_true")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.replicas, a.adapters, a.requests = 50, 20_000, 20_000
+    base = SimConfig(
+        replicas=a.replicas,
+        adapters=a.adapters,
+        requests=a.requests,
+        utilization=a.utilization,
+        host_slots=a.host_slots,
+        device_slots=a.device_slots,
+        max_ongoing=a.max_ongoing,
+        service_s=a.service_s,
+        load_s=a.load_s,
+        warmup_frac=a.warmup_frac,
+        seed=a.seed,
+    )
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    rows = []
+    for alpha in (float(x) for x in a.alphas.split(",")):
+        cfg = replace(base, alpha=alpha)
+        w = Workload.make(cfg)
+        for name in policies:
+            row, _ = run_one(cfg, name, w, exact=a.exact)
+            rows.append(row)
+            print(table([row]).splitlines()[1], flush=True)
+    print()
+    print(
+        f"{base.replicas} replicas x {base.adapters} adapters, {base.requests} requests, utilization "
+        f"{base.utilization}, {base.replica_rate:.2f} req/s per replica, measured after the first "
+        f"{base.warmup_frac:.0%}"
+    )
+    print(table(rows))
+    lines = goals(rows)
+    if lines:
+        print("issue 17 goals:")
+        print("\n".join(lines))
+    a.out.mkdir(parents=True, exist_ok=True)
+    doc = {"config": asdict(base), "alphas": a.alphas, "rows": rows}
+    (a.out / "placement_sim.json").write_text(json.dumps(doc, indent=1))
+    print(f"wrote {a.out / 'placement_sim.json'}")
+    if not a.no_plots:
+        from load_tests.placement_sim_plots import plot
+
+        print(f"wrote {plot(rows, a.out / 'placement_sim.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

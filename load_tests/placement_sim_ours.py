@@ -1,0 +1,257 @@
+"""Our policy in the simulator: app/router/request_router.py's AdapterAffinityRouter around the real
+`placement.rank_replicas` and `placement.view_from_stats`, with what that router sees: replica stats up to
+`stats_period_s` old, its own in-flight counts, and its 30 s memory of where it just sent each adapter.
+
+rank_replicas over all 1,000 replicas (what the real router does per request) costs milliseconds, too slow
+for 10^6 decisions on one core, so each decision ranks only the replicas that can matter. rank_replicas orders
+by (load, kv_usage, id) and its tiers are the first `max_per_tier` (m) of: holders that are not overloaded,
+then non-holders with free slots, then slices of the rest. Hence:
+1. the m least-loaded holders, ranked alone, return the full call's first tier whenever that is the hit tier;
+2. else the m least-loaded holders, the m least-loaded non-holders with free slots and the K = 3m
+   least-loaded replicas return the full call's tiers up to and including its first slice of the rest;
+3. if no replica in those tiers has room, the full call over every replica decides.
+`exact=True` always makes the full call; the tests check that both route every request identically.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import OrderedDict
+
+from app.router import placement  # the module, so a test can spy on placement.rank_replicas
+from load_tests.placement_sim_core import (
+    NO_HOLDER,
+    SPILL,
+    TO_HOLDER,
+    RouteCtx,
+    SimConfig,
+    Simulation,
+    Workload,
+)
+from load_tests.placement_sim_policies import _Base, _LoadIndex
+
+STATS_GROUPS = 10  # replicas report at staggered times: a tenth of them every stats_period_s / 10
+
+
+class OursPolicy(_Base):
+    def __init__(
+        self,
+        policy: placement.PlacementPolicy | None = None,
+        *,
+        exact: bool = False,
+        pins: dict[int, list[str]] | None = None,
+        name: str = "ours",
+        prune_k: int | None = None,
+    ) -> None:
+        self.policy = policy or placement.PlacementPolicy()
+        self.exact, self.pins, self.name = exact, pins or {}, name
+        m = self.policy.max_per_tier
+        self.k = prune_k or 3 * m
+        if self.k < 3 * m:
+            raise ValueError(f"prune_k must be >= 3 * max_per_tier ({3 * m}), got {self.k}")
+        self.n_exact = (self.k - 2 * m) // m
+        self.calls = self.full_calls = 0
+
+    def attach(self, sim: Simulation) -> None:
+        super().attach(sim)
+        cfg = sim.cfg
+        self.tick_s = cfg.stats_period_s / STATS_GROUPS
+        R, width = cfg.replicas, len(str(cfg.replicas - 1))
+        # Zero-padded ids: string order is index order, so _LoadIndex's tie-break is rank_replicas' own.
+        self.rid = [f"r{r:0{width}d}" for r in range(R)]
+        self.index = {rid: r for r, rid in enumerate(self.rid)}
+        self.snap = [
+            {"resident": frozenset(), "loading": frozenset(), "free_slots": cfg.device_slots, "running": 0}
+            for _ in range(R)
+        ]
+        self.views: list[placement.ReplicaView | None] = [None] * R
+        self.holders: dict[str, set[int]] = {}  # adapter -> replicas whose last stats list it
+        self._changed: dict[int, set[str]] = {}  # adapters to re-check at a replica's next stats
+        # The router's _assigned memory, oldest first so expired entries are dropped from the front.
+        self.recent: dict[str, OrderedDict[int, float]] = {}
+        self._all = _LoadIndex(cfg.max_ongoing + 1)
+        self.key_sum = 0  # sum of the router's busy counts: the cluster's mean load
+        self._free = _LoadIndex(cfg.max_ongoing + 1)
+        self.catalog: dict[str, list[str]] = {}  # placement the catalog knows (pinned copies)
+        for r, names in self.pins.items():
+            for a in names:
+                self.catalog.setdefault(a, []).append(self.rid[r])
+        sim.pin(self.pins)
+        for r in range(R):
+            self._changed.setdefault(r, set())
+            self._report(r)
+        self._group = 0
+        self._ticks = 0
+
+    # ------------------------------------------------------------------ what the router knows
+    def _key(self, r: int) -> int:
+        return max(self.sim.ongoing[r], self.snap[r]["running"])
+
+    def _set_key(self, r: int, key: int) -> None:
+        self.key_sum += key - self._all.key.get(r, 0)
+        self._all.put(r, key)
+
+    def _call_policy(self) -> placement.PlacementPolicy:
+        """The policy for this call; one that bounds load by the cluster mean gets the mean (see the proposal)."""
+        at_mean = getattr(self.policy, "at_mean_load", None)
+        if at_mean is None:
+            return self.policy
+        return at_mean(self.key_sum / (self.sim.cfg.replicas * self.sim.cfg.max_ongoing))
+
+    def _report(self, r: int) -> None:
+        """Replica r's record_routing_stats() reaches the router."""
+        sim, s = self.sim, self.snap[r]
+        changed = self._changed.pop(r, None)
+        if changed is not None:
+            res = frozenset(sim.host[r])
+            if sim.pinned[r]:
+                res |= sim.pinned[r]
+            loading = frozenset(sim.loading[r])
+            s["resident"], s["loading"] = res, loading
+            s["free_slots"] = sim.cfg.device_slots - len(sim.device[r])
+            for a in changed:
+                held, hs = a in res or a in loading, self.holders.get(a)
+                if held:
+                    if hs is None:
+                        self.holders[a] = {r}
+                    else:
+                        hs.add(r)
+                elif hs is not None:
+                    hs.discard(r)
+                    if not hs:
+                        del self.holders[a]
+        s["running"] = sim.ongoing[r]
+        self.views[r] = None
+        key = self._key(r)
+        self._set_key(r, key)
+        self._free.put(r, key if s["free_slots"] > 0 else None)
+
+    def on_cache(self, r: int, adapters: tuple[str, ...]) -> None:
+        self._changed.setdefault(r, set()).update(adapters)
+
+    def on_ongoing(self, r: int) -> None:
+        self.views[r] = None
+        key = self._key(r)
+        self._set_key(r, key)
+        if r in self._free.key:
+            self._free.put(r, key)
+
+    def on_tick(self, now: float) -> None:
+        for r in range(self._group, self.sim.cfg.replicas, STATS_GROUPS):
+            self._report(r)
+        self._group = (self._group + 1) % STATS_GROUPS
+        self._ticks += 1
+        if self._ticks % 100 == 0:  # forget expired assignments (the router does it lazily too)
+            ttl = self.sim.cfg.assignment_ttl_s
+            for a in [a for a, w in self.recent.items() if not w or now - next(reversed(w.values())) >= ttl]:
+                del self.recent[a]
+
+    def on_assign(self, now: float, r: int, adapter: str, outcome: int) -> None:
+        w = self.recent.get(adapter)
+        if w is None:
+            w = self.recent[adapter] = OrderedDict()
+        w[r] = now  # AdapterAffinityRouter.on_request_routed
+        w.move_to_end(r)
+
+    def view(self, r: int) -> placement.ReplicaView:
+        v = self.views[r]
+        if v is None:
+            v = self.views[r] = placement.view_from_stats(
+                self.rid[r], self.snap[r], ongoing=self.sim.ongoing[r], max_ongoing=self.sim.cfg.max_ongoing
+            )
+        return v
+
+    # ------------------------------------------------------------------ routing
+    def _select(self, tiers: list[list[str]]) -> int | None:
+        """Ray's probe of each tier in turn: the shortest queue with room, the first one on ties."""
+        ongoing, cap = self.sim.ongoing, self.sim.cfg.max_ongoing
+        for tier in tiers:
+            best, best_q = None, math.inf
+            for rid in tier:
+                r = self.index[rid]
+                q = ongoing[r]
+                if q < cap and q < best_q:
+                    best, best_q = r, q
+            if best is not None:
+                return best
+        return None
+
+    def full_call(self, adapter: str, known: list[str]) -> list[list[str]]:
+        views = [self.view(r) for r in range(self.sim.cfg.replicas)]
+        return placement.rank_replicas([adapter], views, {adapter: known}, self._call_policy())
+
+    def route(self, now: float, ctx: RouteCtx, adapter: str) -> int | None:
+        cand = set(self.holders.get(adapter, ()))
+        known = list(self.catalog.get(adapter, ()))
+        w = self.recent.get(adapter)
+        if w:
+            expired = now - self.sim.cfg.assignment_ttl_s
+            while w and next(iter(w.values())) <= expired:
+                w.popitem(last=False)
+            rid = self.rid
+            known.extend(rid[r] for r in w)
+            cand.update(w)
+        self.calls += 1
+        r = self._decide(adapter, cand, known)
+        held = cand
+        self.last_why = NO_HOLDER if not held else TO_HOLDER if r in held else SPILL
+        return r
+
+    def _decide(self, adapter: str, held: set[int], known: list[str]) -> int | None:
+        if self.exact:
+            self.full_calls += 1
+            return self._select(self.full_call(adapter, known))
+        m, key, policy = self.policy.max_per_tier, self._all.key, self._call_policy()
+        # The hit tier is the m least-loaded holders. Ranked alone, they come back first exactly when that
+        # tier is not empty (none of them overloaded), and then the full call's first tier is the same list.
+        top = heapq.nsmallest(m, held, key=lambda r: (key[r], r)) if len(held) > m else list(held)
+        if top:
+            tiers = placement.rank_replicas([adapter], [self.view(r) for r in top], {adapter: known}, policy)
+            first = tiers[0]
+            if all(not policy.overloaded(self.view(self.index[rid])) for rid in first):
+                r = self._select([first])
+                if r is not None:
+                    return r
+        # Add the m least-loaded non-holders with free slots (the room tier) and the k least-loaded replicas
+        # (the first rest slices).
+        cand = set(top)
+        cand.update(self._free.smallest(m, skip=held))
+        cand.update(self._all.smallest(self.k))
+        if len(cand) < self.sim.cfg.replicas:
+            tiers = placement.rank_replicas([adapter], [self.view(r) for r in cand], {adapter: known}, policy)
+            r = self._select(tiers[: self.n_exact])
+            if r is not None:
+                return r
+        self.full_calls += 1
+        return self._select(self.full_call(adapter, known))
+
+    def full_call_cost_s(self, samples: int = 200) -> float:
+        """Seconds one rank_replicas call over every replica takes (what the real router pays per request)."""
+        names = self.sim.w.adapter[-samples:]
+        t0 = time.perf_counter()
+        for a in names:
+            self.views = [None] * self.sim.cfg.replicas  # the router builds every view per call
+            self.full_call(a, [])
+        return (time.perf_counter() - t0) / max(1, len(names))
+
+
+def hot_pins(cfg: SimConfig, w: Workload, share: float = 0.5) -> dict[int, list[str]]:
+    """Pin each adapter whose traffic exceeds `share` of one replica on ceil(rate / (share * rate_1)) replicas,
+    spread by a greedy least-pinned-traffic fill. Popularity is the workload's own (an oracle; in production
+    the catalog's request counters)."""
+    lam, mu = cfg.arrival_rate, cfg.replica_rate
+    heap = [(0.0, r) for r in range(cfg.replicas)]
+    pins: dict[int, list[str]] = {}
+    for rank, p in enumerate(w.popularity.tolist()):
+        rate = p * lam
+        copies = min(cfg.replicas, math.ceil(rate / (share * mu)))
+        if copies < 2:
+            break
+        name = f"a{int(w.adapter_of_rank[rank])}"
+        taken = [heapq.heappop(heap) for _ in range(copies)]
+        for load, r in taken:
+            pins.setdefault(r, []).append(name)
+            heapq.heappush(heap, (load + rate / copies, r))
+    return pins
