@@ -172,6 +172,21 @@ def _bad(model: str, why: str) -> InvalidRequest:
     return err
 
 
+# What a term's text ends with when the '+' that follows is part of its weight, not a separator: a sign right
+# after '*' (`a*+0.5`), or an exponent's sign (`a*1e+05`, `b*2E+2`, as Python and JSON print floats).
+_SIGNED = re.compile(r"\*\s*(?:[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE])?$")
+
+
+def _split_terms(stage: str) -> list[str]:
+    """`a*1e-05+b*2E+2` -> ['a*1e-05', 'b*2E+2']: split a merge at the '+'s that separate terms."""
+    parts, start = [], 0
+    for i, ch in enumerate(stage):
+        if ch == "+" and not _SIGNED.search(stage, start, i):
+            parts.append(stage[start:i])
+            start = i + 1
+    return [*parts, stage[start:]]
+
+
 def _parse_term(model: str, text: str, in_merge: bool) -> Term:
     text = text.strip()
     weight = 1.0
@@ -212,7 +227,7 @@ def parse_model(model: object, base_ids: tuple[str, ...] | frozenset[str] = ()) 
         if not st.strip():
             raise _bad(model, "an empty chain stage")
         st, method = _parse_method(model, st)
-        parts = st.split("+")
+        parts = _split_terms(st)
         if len(parts) > MAX_TERMS:
             raise _bad(model, f"a merge has at most {MAX_TERMS} terms")
         if any(not p.strip() for p in parts):

@@ -39,6 +39,9 @@ class AdapterRecord:
     created: float
     pinned: bool = False
     use_rslora: bool = False
+    # Why a replica could not load this version on the served base model (AdapterRegistry.mark_unloadable),
+    # e.g. a shape that does not fit; requests for it fail at once with this reason. None: loadable so far.
+    unloadable: str | None = None
 
     @property
     def ref(self) -> str:

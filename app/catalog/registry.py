@@ -17,6 +17,8 @@ from app.catalog.records import AdapterRecord, record_body
 from app.errors import InvalidRequest, UnknownAdapter
 from app.names import check_name, parse_ref
 
+UNLOADABLE_REASON_CHARS = 2000  # a reason is one error message; longer ones are cut
+
 
 @contextlib.contextmanager
 def _tenant_errors(tenant: str | None) -> Iterator[None]:
@@ -136,6 +138,39 @@ class AdapterRegistry(CatalogConnection):
         return int(
             self._scripts["REMOVE"](keys=keys, args=[name, "" if version is None else version, self._channel])
         )
+
+    @guard
+    def mark_unloadable(self, ref: str, reason: str) -> bool:
+        """Record that `name@v` cannot be loaded on the served base model (a replica found out at its first
+        load: shapes, layer count); requests for it then fail at once with `reason`, and `loraland adapters
+        list/show` say so. A new version of the name starts clean. Returns False if the version is gone.
+
+        The record's JSON is rewritten under WATCH, so a concurrent REMOVE wins (nothing is re-created)."""
+        name, version = parse_ref(ref)
+        if version is None:
+            raise InvalidRequest(f"mark_unloadable needs name@version, got {ref!r}")
+        key, field = self._k("adapter", name), f"v:{version}"
+        reason = str(reason)[:UNLOADABLE_REASON_CHARS]
+        event = {"type": "unloadable", "name": name, "version": version, "reason": reason}
+        with self._r.pipeline() as pipe:
+            for _ in range(16):  # retried only when another writer touched the adapter's hash meanwhile
+                try:
+                    pipe.watch(key)
+                    body = pipe.hget(key, field)
+                    if body is None:
+                        return False
+                    record = json.loads(body)
+                    if record.get("unloadable") == reason:
+                        return True
+                    record["unloadable"] = reason
+                    pipe.multi()
+                    pipe.hset(key, field, json.dumps(record))
+                    pipe.publish(self._channel, json.dumps(event))
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+        return False
 
     @guard
     def set_pinned(self, name: str, pinned: bool) -> None:

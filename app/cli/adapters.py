@@ -77,16 +77,20 @@ def _model_config(model: str) -> Any:
 
 
 def _inspect(folder: Path, model: str | None, max_rank: int) -> tuple[dict, dict]:
-    """(adapter_summary, base model identity) of an adapter folder, validated against `model` when given."""
+    """(adapter_summary, base model identity) of an adapter folder: every check that needs no base model
+    (app/replica/lora/checks.py), and read against `model` when one is given."""
+    from app.replica.lora.checks import check_adapter
     from app.replica.lora.peft_format import adapter_summary, read_adapter
 
     summary = adapter_summary(folder)
     if summary["rank"] > max_rank:
         raise InvalidAdapter(f"adapter {folder}: r={summary['rank']} exceeds --max-rank {max_rank}")
+    summary["max_delta_norm"] = check_adapter(folder, max_rank=max_rank)["max_delta_norm"]
     if model is None:
         print(
-            "loraland: warning: no --model given, so the base model is not recorded and an incompatible "
-            "replica finds out only when it loads the adapter",
+            "loraland: note: no --model given: every check that needs no base model passed; the base model is "
+            "not recorded, and a replica checks shapes and layer count when it first loads the adapter (a "
+            "failure there marks it unloadable in `loraland adapters list`)",
             file=sys.stderr,
         )
         return summary, {}
@@ -179,11 +183,12 @@ def cmd_list(args: argparse.Namespace) -> int:
             r.tenant,
             "yes" if r.public else "no",
             "yes" if r.pinned else "no",
+            "UNLOADABLE" if r.unloadable else "ok",
             r.uri,
         ]
         for r in records
     ]
-    table(["NAME", "VERSION", "RANK", "TARGETS", "SIZE", "TENANT", "PUBLIC", "PINNED", "URI"], rows)
+    table(["NAME", "VERSION", "RANK", "TARGETS", "SIZE", "TENANT", "PUBLIC", "PINNED", "STATE", "URI"], rows)
     return 0
 
 
@@ -209,6 +214,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ["tenant", record.tenant or "none (admin)"],
         ["public", record.public],
         ["pinned", record.pinned],
+        ["state", f"UNLOADABLE: {record.unloadable}" if record.unloadable else "ok"],
         ["created", created],
     ]
     rows += [[f"file {name}", sha] for name, sha in sorted(record.files.items())]
@@ -249,6 +255,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(
         f"ok: {args.dir} is a LoRA adapter for {base.get('architecture')} ({args.model}): rank {summary['rank']}, "
         f"alpha {summary['alpha']:g}, targets {','.join(summary['target_modules'])}, {len(layers)} layers, "
-        f"{len(summary['files'])} files, {human_size(summary['size'])}"
+        f"{len(summary['files'])} files, {human_size(summary['size'])}, largest delta norm "
+        f"{summary['max_delta_norm']:.3g}"
     )
     return 0

@@ -18,7 +18,7 @@ from typing import Any
 
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
-from app.errors import AdapterUnavailable, LoraLandError
+from app.errors import AdapterUnavailable, InvalidAdapter, LoraLandError
 from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, ReplyItem
 
 log = logging.getLogger("loraland.replica")
@@ -52,6 +52,7 @@ class ReplicaCore:
         self.kernel = kernel if kernel is not None else LLMKernel(cfg.model, cfg.kernel, hub=self.hub)
         self._held: dict[str, str] = {}  # ref -> name, adapters this replica registered with its kernel
         self._loading: dict[str, asyncio.Future] = {}
+        self._unloadable: dict[str, str] = {}  # ref -> why its load failed here (never retried; bounded)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._unsubscribe = None
@@ -171,6 +172,14 @@ class ReplicaCore:
         ref = record["ref"]
         if ref in self._held:
             return
+        reason = self._unloadable.get(ref) or record.get("unloadable")
+        if reason:  # a load already failed for good (here, or on a replica that marked the catalog record)
+            err = InvalidAdapter(
+                f"model: the adapter {ref!r} failed to load on this server and is marked unloadable: "
+                f"{reason}. Fix it and register a new version"
+            )
+            err.param = "model"
+            raise err
         pending = self._loading.get(ref)
         if pending is None:
             pending = asyncio.ensure_future(self._load(record))
@@ -196,6 +205,9 @@ class ReplicaCore:
                 version=record["version"],
                 files=record.get("files") or None,
             )
+        except InvalidAdapter as e:  # a bad adapter stays bad: remember it here and in the catalog
+            await self._mark_unloadable(record["ref"], str(e))
+            raise
         except LoraLandError:
             raise
         except Exception as e:
@@ -206,6 +218,17 @@ class ReplicaCore:
         if record.get("pinned"):
             self.kernel.pin(record["name"])
         log.info("loaded adapter %s from %s in %.3fs", record["ref"], record["uri"], time.monotonic() - t0)
+
+    async def _mark_unloadable(self, ref: str, reason: str) -> None:
+        while len(self._unloadable) >= 4096:  # oldest first: a forgotten one costs one more failed load
+            self._unloadable.pop(next(iter(self._unloadable)))
+        self._unloadable[ref] = reason
+        if self.catalog is None:
+            return
+        try:
+            await asyncio.to_thread(self.catalog.mark_unloadable, ref, reason)
+        except Exception as e:  # this replica still remembers; others find out on their own first load
+            log.warning("cannot mark %s unloadable in the catalog (%s)", ref, e)
 
     async def inspect(self, uri: str) -> dict | Failure:
         """inspect_adapter's summary, or its Failure (sent in-band to the ingress, like generate's)."""
@@ -218,9 +241,12 @@ class ReplicaCore:
 
     async def inspect_adapter(self, uri: str) -> dict:
         """Fetch an adapter named over HTTP (local roots restricted) and validate it against this base model."""
+        from app.replica.lora.checks import check_adapter
         from app.replica.lora.peft_format import adapter_summary, read_adapter
 
         path = await asyncio.to_thread(self.hub.fetch, uri, untrusted=True)
+        max_rank = self.kernel.config.max_lora_rank
+        await asyncio.to_thread(check_adapter, path, max_rank=max_rank)  # what no base model is needed for
         await asyncio.to_thread(
             read_adapter, path, self.kernel.model_config, max_rank=self.kernel.config.max_lora_rank
         )

@@ -16,6 +16,7 @@ from typing import Any
 
 from app.config.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from app.errors import InvalidAdapter
+from app.replica.lora import safe_regex
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -94,7 +95,22 @@ def load_config(folder: Path) -> dict[str, Any]:
             isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in pat.values()
         ):
             raise refuse(folder, f"{key} must map module-name patterns to positive numbers, got {pat!r}")
+        for key_pattern in pat:  # matched the way _pattern_value does
+            _check_regex(folder, key, key_pattern, rf"(.*\.)?({key_pattern})$")
+    for key in ("target_modules", "exclude_modules"):
+        if isinstance(cfg.get(key), str):  # a string is a regex (PEFT); a list holds plain names
+            _check_regex(folder, key, cfg[key], cfg[key])
     return cfg
+
+
+def _check_regex(folder: Path, field: str, pattern: str, matched: str) -> None:
+    """Refuse a pattern `re` could take too long to match (app/replica/lora/safe_regex.py), naming the field."""
+    try:
+        safe_regex.check(matched)
+    except safe_regex.UnsafePattern as e:
+        err = refuse(folder, f"{field}: the regular expression {pattern[:80]!r} is refused: {e}")
+        err.param = field
+        raise err from None
 
 
 def linear_names(model: ModelConfig) -> dict[str, tuple[int, str]]:
