@@ -47,9 +47,11 @@ class Catalog(AdapterRegistry, TenantDirectory, ReplicaDirectory, QuotaStore):
     def subscribe(self, callback: Callable[[dict], None]) -> Callable[[], None]:
         """Call `callback(event)` from a background thread for each change event; returns stop().
 
-        Events: {"type": "registered"|"removed"|"pinned"|"key_rotated", "name", "version", ...}. Redis
-        pub/sub is fire-and-forget: events published while a subscriber is disconnected are lost, so a
-        subscriber that must be exact re-reads the catalog after a reconnect."""
+        Events: {"type": "registered"|"removed"|"pinned", "name", "version", ...} for adapters and
+        {"type": "key_rotated"|"tenant_deleted", "tenant"} for API keys. Redis pub/sub is fire-and-forget:
+        events published while a subscriber is disconnected are lost, so a subscriber that must be exact
+        re-reads the catalog after a reconnect, or bounds how long it trusts what it cached (the ingress's
+        key cache: app/router/auth.py)."""
 
         def on_message(msg: dict) -> None:
             try:
@@ -59,8 +61,14 @@ class Catalog(AdapterRegistry, TenantDirectory, ReplicaDirectory, QuotaStore):
             except Exception:  # a faulty callback must not kill the listener thread
                 log.exception("catalog event callback failed on %r", msg.get("data"))
 
+        last_warning = [0.0]
+
         def on_error(exc: BaseException, pubsub: Any, thread: Any) -> None:
-            log.warning("catalog event listener lost Redis at %s (%s); retrying", self.url, exc)
+            # Retried every ~0.5 s for as long as Redis is away: say so once a minute, not at every retry.
+            now = time.monotonic()
+            if now - last_warning[0] >= 60:
+                last_warning[0] = now
+                log.warning("catalog event listener lost Redis at %s (%s); retrying", self.url, exc)
             time.sleep(0.5)
 
         pubsub = self._r.pubsub()

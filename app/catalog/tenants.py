@@ -1,8 +1,9 @@
 """Tenants half of the catalog: tenant names and their API keys, stored only as hashes.
 
 A key is shown once, when it is made (create_tenant, rotate_key); the catalog keeps sha256(key) -> tenant, so a
-dump of Redis holds nothing a caller could present. Creating and rotating are Lua scripts: the old key stops
-working in the same step the new one starts."""
+dump of Redis holds nothing a caller could present. Creating, rotating and deleting are Lua scripts: the old key
+stops working in the same step the new one starts, and the same step publishes `key_rotated` / `tenant_deleted`
+({"type", "tenant"}) so every ingress drops the tenant's cached keys at once (app/router/auth.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ import time
 from app.catalog.conn import CatalogConnection, guard
 from app.errors import InvalidRequest
 from app.names import check_tenant
+
+# KEYS: tenants hash, apikeys hash; ARGV: name, channel. 0 if the tenant is unknown. (Beside the only code that
+# runs it rather than in lua.py: the connection's script table is shared by every part of the catalog.)
+DELETE_TENANT = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local t = cjson.decode(raw)
+if t.key_hash then redis.call('HDEL', KEYS[2], t.key_hash) end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('PUBLISH', ARGV[2], cjson.encode({type = 'tenant_deleted', tenant = ARGV[1]}))
+return 1
+"""
 
 
 def hash_api_key(api_key: str) -> str:
@@ -54,6 +67,15 @@ class TenantDirectory(CatalogConnection):
         if not int(self._scripts["ROTATE_KEY"](keys=[self._k("tenants"), self._k("apikeys")], args=args)):
             raise InvalidRequest(f"unknown tenant {name!r}: create it with `loraland tenants create {name}`")
         return key
+
+    @guard
+    def delete_tenant(self, name: str) -> None:
+        """Delete a tenant and its API key (refused at once on every ingress). Adapters it registered stay in
+        the catalog, usable by nobody but the admin until removed (`loraland adapters rm`)."""
+        check_tenant(name)
+        script = self._r.register_script(DELETE_TENANT)
+        if not int(script(keys=[self._k("tenants"), self._k("apikeys")], args=[name, self._channel])):
+            raise InvalidRequest(f"unknown tenant {name!r}: `loraland tenants list` shows them")
 
     @guard
     def tenant_for_key(self, api_key: str) -> str | None:

@@ -41,6 +41,11 @@ class AppConfig:
     heartbeat_ttl_s: float = 10.0
     routing_stats_period_s: float = 1.0
     request_timeout_s: float = 300.0
+    # A larger HTTP body gets 413 before it is read (Content-Length) or as soon as it passes the limit (chunked).
+    # 4 MiB holds a 128k-token prompt as text or as token ids several times over.
+    max_request_bytes: int = 4 << 20
+    # prompts x n of one request; beyond it 400, so one request cannot fill the queue every tenant shares.
+    max_sequences_per_request: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -51,6 +56,8 @@ class AppConfig:
             "ingress_replicas",
             "max_ongoing_requests",
             "max_queued_requests",
+            "max_request_bytes",
+            "max_sequences_per_request",
             *optional,
         ):
             value = getattr(self, name)

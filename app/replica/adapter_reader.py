@@ -16,6 +16,25 @@ from app.replica.lora.weights import LoraWeights
 log = logging.getLogger("loraland.kernel")
 
 
+def _without_paths(err: Exception, name: str, folder: Path | None, source: str | Path) -> Exception:
+    """`err` naming the adapter instead of where it is: the message reaches the tenant who sent the request
+    (a 400 or 503), and the disk cache's layout, a local source folder or the bucket behind an adapter are none
+    of the tenant's business. The server log keeps the original."""
+    text = str(source)
+    places = {text, str(Path(text.removeprefix("file://")).expanduser())}
+    if folder is not None:
+        places |= {str(folder), str(folder.resolve())}
+    message = str(err)
+    for place in sorted(places, key=len, reverse=True):  # the longest first: one may contain another
+        message = message.replace(place, repr(name))
+    if message == str(err):
+        return err
+    log.info("adapter %s (%s): %s", name, source, err)
+    out = type(err)(message)
+    out.__dict__.update(err.__dict__)
+    return out
+
+
 class AdapterReader:
     """Fetches adapters through an AdapterHub (verified, cached) and reads them against one base model."""
 
@@ -46,9 +65,13 @@ class AdapterReader:
 
     def read(self, source: str | Path, name: str, files: dict[str, str] | None = None) -> LoraWeights:
         t0, c0 = time.perf_counter(), time.thread_time()
-        folder = self.folder(source, files)
-        t1, c1 = time.perf_counter(), time.thread_time()
-        weights = read_adapter(folder, self.model_config, max_rank=self.max_rank, name=name)
+        folder = None
+        try:
+            folder = self.folder(source, files)
+            t1, c1 = time.perf_counter(), time.thread_time()
+            weights = read_adapter(folder, self.model_config, max_rank=self.max_rank, name=name)
+        except (InvalidAdapter, AdapterUnavailable) as e:
+            raise _without_paths(e, name, folder, source) from None
         # Wall and this thread's CPU time: a wide gap means the load waited (network, disk, CPU, GIL).
         log.info(
             "adapter %s: fetched in %.1f ms (%.1f ms CPU), read and validated in %.1f ms (%.1f ms CPU)",
@@ -71,7 +94,10 @@ class AdapterReader:
                 return self.read(source, name, files)
             except (InvalidAdapter, AdapterUnavailable):
                 raise
-            except Exception as e:
-                raise AdapterUnavailable(f"re-reading adapter {name!r} from {source}: {e}") from e
+            except Exception as e:  # the details (paths, hosts) go to the log, not to the caller
+                log.warning("re-reading adapter %s from %s failed: %r", name, source, e)
+                raise AdapterUnavailable(
+                    f"re-reading adapter {name!r} failed ({type(e).__name__}); retry later"
+                ) from e
 
         return reload

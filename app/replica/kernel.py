@@ -24,6 +24,7 @@ from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.fairness import make_policy
 from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
+from app.replica.memory import release_free_memory
 from app.replica.model import Model, resolve_dtype
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
 from app.replica.sampling import SamplingParams
@@ -31,6 +32,8 @@ from app.replica.sampling import SamplingParams
 log = logging.getLogger("loraland.kernel")
 
 Prompt = str | list[int]
+LONG_PROMPT_CHARS = 4096  # generate() tokenizes prompts longer than this off the event loop
+TRIM_AFTER_CHARS = 1 << 18  # after tokenizing a longer prompt, hand freed heap pages back (memory.py)
 
 
 @dataclass
@@ -67,6 +70,10 @@ class LLMKernel:
                 f"{mc.max_position_embeddings}"
             )
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        # No token covers more characters than the longest vocabulary entry spells (byte-level and
+        # SentencePiece entries spell at least what they decode to), so a longer prompt cannot fit and is refused
+        # before tokenizing it: tokenizing 20 MB took ~30 s and ~2 GB that the process kept.
+        self.max_prompt_chars = self.max_model_len * max(map(len, self.tokenizer.get_vocab()), default=1)
         self.max_lora_rank = cfg.max_lora_rank
         num_kv_blocks = cfg.num_kv_blocks or kv_blocks(
             cfg, mc, self.dtype, self.max_model_len, free=available_memory(dev), weights=self.model.nbytes()
@@ -171,7 +178,16 @@ class LLMKernel:
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False) or self.tokenizer.encode(prompt)
+            if len(prompt) > self.max_prompt_chars:
+                raise InvalidRequest(
+                    f"the prompt has {len(prompt)} characters: more than max_model_len ({self.max_model_len} "
+                    f"tokens) can hold with this tokenizer (at most {self.max_prompt_chars} characters); "
+                    "shorten it"
+                )
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) or self.tokenizer.encode(prompt)
+            if len(prompt) > TRIM_AFTER_CHARS:
+                release_free_memory()
+            return ids
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         raise InvalidRequest("each prompt must be a string or a list of token ids")
@@ -182,7 +198,10 @@ class LLMKernel:
         """Stream Deltas for one prompt (abandoning the iterator aborts the request). A chain runs its
         earlier stages to completion and streams the last one. `tenant`: whose request, for fair admission."""
         params = SamplingParams.from_kwargs(**sampling)
-        ids = self._prompt_ids(prompt)
+        # A long prompt is tokenized on a worker thread (the fast tokenizer releases the GIL), so the caller's
+        # event loop keeps serving; a short one costs less than the thread hop.
+        long = isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS
+        ids = await asyncio.to_thread(self._prompt_ids, prompt) if long else self._prompt_ids(prompt)
         stages = self.composition.lookup(adapter_id)
         if stages is None:  # a new merge: building it reads (maybe fetches) and concatenates its terms
             stages = await asyncio.to_thread(self.composition.stages, adapter_id)

@@ -1,11 +1,19 @@
-"""Who is calling: `Authorization: Bearer <key>` → tenant (through the catalog), or the admin token."""
+"""Who is calling: `Authorization: Bearer <key>` → tenant (through the catalog), or the admin token.
+
+A rotated or deleted key stops working at once on every ingress: the catalog publishes `key_rotated` /
+`tenant_deleted` on its pub/sub channel and each Authenticator drops that tenant's cached keys when it hears it.
+Pub/sub is fire-and-forget (an event sent while the listener is reconnecting is lost), so a cached key is also
+trusted for at most KEY_CACHE_TTL_S: that is the bound on how long an old key can keep working anywhere.
+"""
 
 from __future__ import annotations
 
 import hmac
 import logging
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,8 +21,16 @@ from app.router.http_errors import HTTPFailure
 
 log = logging.getLogger("loraland.auth")
 
+# The longest a cached key is believed without asking the catalog again; only matters when a key-change event
+# was lost (pub/sub down or reconnecting). A lookup is one HGET, so even a hot key costs one per 2 s.
+KEY_CACHE_TTL_S = 2.0
+WATCH_RETRY_S = 5.0  # how often to retry subscribing to key-change events while the catalog is away
+KEY_EVENTS = frozenset({"key_rotated", "tenant_deleted"})
+
 
 class KeyLookup(Protocol):
+    """The catalog as auth sees it; `subscribe(callback) -> stop` is optional (key-change events)."""
+
     def tenant_for_key(self, api_key: str) -> str | None: ...
 
 
@@ -39,7 +55,8 @@ def _bearer(authorization: str | None) -> str | None:
 
 
 class Authenticator:
-    """Resolves callers; remembers recent key lookups so a Redis blip does not log every tenant out."""
+    """Resolves callers; remembers recent key lookups (KEY_CACHE_TTL_S) so a Redis blip does not log every
+    tenant out, and forgets a tenant's keys the moment the catalog says they changed."""
 
     def __init__(
         self,
@@ -47,8 +64,9 @@ class Authenticator:
         admin_token: str | None,
         *,
         no_auth: bool = False,
-        cache_ttl_s: float = 30.0,
+        cache_ttl_s: float = KEY_CACHE_TTL_S,
         cache_size: int = 4096,
+        watch: bool = True,
     ):
         if not no_auth and keys is None and not admin_token:
             raise ValueError(
@@ -60,21 +78,76 @@ class Authenticator:
         self._ttl = cache_ttl_s
         self._size = cache_size
         self._cache: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._lock = threading.Lock()  # events arrive on the pub/sub thread, lookups on the event loop
+        self._generation = 0  # bumped by every key event: a lookup that raced one is not cached
+        self._closed = threading.Event()
+        self._unwatch: Callable[[], None] | None = None
         if no_auth:
             log.warning(
                 "AUTHENTICATION IS OFF (--no-auth): every caller can use every adapter and the admin routes. "
                 "Use this only for a local demo."
             )
+        elif watch and keys is not None and callable(getattr(keys, "subscribe", None)):
+            # In the background: the catalog may be down at start, and the ingress must start anyway.
+            threading.Thread(target=self._watch, name="loraland-auth-events", daemon=True).start()
 
+    # ------------------------------------------------------------------ key-change events
+    def _watch(self) -> None:
+        failed = False
+        while not self._closed.is_set():
+            try:
+                stop = self._keys.subscribe(self._on_event)  # type: ignore[union-attr]
+            except Exception as e:
+                if not failed:  # once per outage, not at every retry
+                    log.warning(
+                        "cannot subscribe to API-key changes (%s); until then a rotated key may keep working "
+                        "for up to %.0f s; retrying every %.0f s",
+                        e,
+                        self._ttl,
+                        WATCH_RETRY_S,
+                    )
+                failed = True
+                self._closed.wait(WATCH_RETRY_S)
+                continue
+            if failed:
+                log.info("subscribed to API-key changes")
+            # Keys cached before the subscription was confirmed may have changed unheard: KEY_CACHE_TTL_S bounds
+            # them, and dropping them here would log tenants out if Redis went away right after.
+            if self._closed.is_set():
+                stop()
+            else:
+                self._unwatch = stop
+            return
+
+    def _on_event(self, event: dict) -> None:
+        if event.get("type") in KEY_EVENTS:
+            self.forget(event.get("tenant"))
+
+    def forget(self, tenant: str | None = None) -> None:
+        """Drop cached keys of `tenant` (every tenant when None); the next request asks the catalog."""
+        with self._lock:
+            self._generation += 1
+            for token in [t for t, (who, _) in self._cache.items() if tenant is None or who == tenant]:
+                del self._cache[token]
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+
+    # ------------------------------------------------------------------ lookups
     def _is_admin_token(self, token: str) -> bool:
         return bool(self._admin_token) and hmac.compare_digest(token.encode(), self._admin_token.encode())
 
     def _tenant(self, token: str) -> str | None:
-        hit = self._cache.get(token)
         now = time.monotonic()
-        if hit is not None and now - hit[1] < self._ttl:
-            self._cache.move_to_end(token)
-            return hit[0]
+        with self._lock:
+            hit = self._cache.get(token)
+            if hit is not None and now - hit[1] < self._ttl:
+                self._cache.move_to_end(token)
+                return hit[0]
+            generation = self._generation
         if self._keys is None:
             return None
         try:
@@ -83,13 +156,14 @@ class Authenticator:
             if hit is not None:  # the catalog is down: a key that was valid a moment ago stays valid
                 return hit[0]
             raise
-        if tenant is not None:
-            self._cache[token] = (tenant, now)
-            self._cache.move_to_end(token)
-            while len(self._cache) > self._size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.pop(token, None)
+        with self._lock:
+            if tenant is None:
+                self._cache.pop(token, None)
+            elif generation == self._generation:  # no key event since the lookup began
+                self._cache[token] = (tenant, now)
+                self._cache.move_to_end(token)
+                while len(self._cache) > self._size:
+                    self._cache.popitem(last=False)
         return tenant
 
     def caller(self, authorization: str | None) -> Caller:
@@ -115,7 +189,8 @@ class Authenticator:
         return Caller(tenant=tenant)
 
     def admin(self, authorization: str | None) -> Caller:
-        """The admin caller; 401 without credentials, 403 for a tenant key or when admin routes are off."""
+        """The admin caller; 401 without credentials or with a token that is nobody's, 403 for a tenant key
+        or when admin routes are off."""
         if self.no_auth:
             return _ANONYMOUS
         token = _bearer(authorization)
@@ -133,6 +208,16 @@ class Authenticator:
                 "admin routes are disabled: start the server with LORALAND_ADMIN_TOKEN set",
                 type="permission_error",
                 code="admin_disabled",
+            )
+        try:
+            tenant = self._tenant(token)
+        except Exception:  # the catalog is away; the token is not the admin token either way
+            tenant = None
+        if tenant is None:
+            raise HTTPFailure(
+                401,
+                "invalid admin token: this route needs 'Authorization: Bearer <LORALAND_ADMIN_TOKEN>'",
+                code="invalid_api_key",
             )
         raise HTTPFailure(
             403,

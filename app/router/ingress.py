@@ -21,6 +21,7 @@ from app.config.app_config import AppConfig
 from app.config.settings import Settings
 from app.router import openai_schema as oa
 from app.router.auth import Authenticator
+from app.router.body_limit import BodyLimit
 from app.router.http_errors import error_reply
 from app.router.quotas import QuotaLimiter, add_quota_routes
 from app.router.replica_client import ReplicaStream, ServeBackend
@@ -41,6 +42,7 @@ def _error_response(exc: BaseException) -> JSONResponse:
 def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter | None = None) -> FastAPI:
     """The FastAPI app for `service`; used by the Serve deployment and directly by in-process tests."""
     api = FastAPI(title="LoRA-Land", docs_url=None, redoc_url=None)
+    api.add_middleware(BodyLimit, max_bytes=service.cfg.max_request_bytes)  # 413 before a big body is read
     api.state.quotas = quotas = quotas or QuotaLimiter.for_service(service)
     add_quota_routes(api, auth, service.catalog)  # first: /v1/adapters/{name:path} would take its paths
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -15,13 +16,17 @@ from app.protocol import ChoiceDelta
 
 MAX_N = 16
 MAX_STOP = 16
+# The longest `model` accepted: far beyond any real chain or merge (8 stages x 8 terms of short names), short
+# enough that parsing and echoing it costs nothing.
+MAX_MODEL_CHARS = 4096
+ECHO_CHARS = 100  # how much of a caller's string an error message repeats
 
 
 class _Sampling(BaseModel):
     # Unknown fields are accepted and ignored, as vLLM does: clients send extras such as `user`.
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str = Field(max_length=MAX_MODEL_CHARS)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -82,6 +87,26 @@ def invalid(param: str, message: str) -> InvalidRequest:
     err = InvalidRequest(f"{param}: {message}")
     err.param = param
     return err
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text` cut to `limit` characters and an ellipsis: what a message may echo of a caller's string."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+_LONG = ECHO_CHARS + 1
+_LONG_QUOTED = re.compile(rf"'[^']{{{_LONG},}}'|\"[^\"]{{{_LONG},}}\"")
+
+
+def clipped(err: InvalidRequest) -> InvalidRequest:
+    """`err` with every quoted string longer than ECHO_CHARS in its message clipped (a huge `model` was echoed
+    whole, twice); the same class and `param`."""
+    message = _LONG_QUOTED.sub(lambda m: repr(clip(m.group(0)[1:-1])), str(err))
+    if message == str(err):
+        return err
+    out = type(err)(message)
+    out.__dict__.update(err.__dict__)
+    return out
 
 
 def parse_body(raw: bytes) -> dict:

@@ -6,11 +6,13 @@ models and placement, register adapters. The FastAPI layer (ingress.py) only ada
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from app.config.app_config import AppConfig
-from app.errors import CatalogUnavailable, UnknownAdapter
+from app.errors import CatalogUnavailable, InvalidRequest, UnknownAdapter
 from app.names import ModelSpec, parse_model, resolved
 from app.protocol import ChoiceDelta, Failure, ReplicaRequest, RequestFailed
 from app.router import openai_schema as oa
@@ -25,6 +27,7 @@ class CatalogProxy:
 
     def __init__(self, url: str | None, catalog: Any = None):
         self.url, self._catalog = url, catalog
+        self._lock = threading.Lock()  # the auth's event thread and request threads may connect at once
 
     def get(self) -> Any:
         if self._catalog is None:
@@ -32,11 +35,17 @@ class CatalogProxy:
                 raise CatalogUnavailable("no catalog configured: start the server with --redis URL")
             from app.catalog.store import Catalog
 
-            self._catalog = Catalog(self.url)
+            with self._lock:
+                if self._catalog is None:
+                    self._catalog = Catalog(self.url)
         return self._catalog
 
     def tenant_for_key(self, api_key: str) -> str | None:
         return self.get().tenant_for_key(api_key)
+
+    def subscribe(self, callback: Callable[[dict], None]) -> Callable[[], None]:
+        """The catalog's change events (key rotations for the Authenticator); see Catalog.subscribe."""
+        return self.get().subscribe(callback)
 
 
 class IngressService:
@@ -68,7 +77,10 @@ class IngressService:
             self._records.pop(ref, None)
 
     async def resolve(self, model: Any, caller: Caller) -> tuple[ModelSpec, list[Any]]:
-        spec = parse_model(model, self.cfg.base_ids)
+        try:
+            spec = parse_model(model, self.cfg.base_ids)
+        except InvalidRequest as e:
+            raise oa.clipped(e) from None
         records, versions = [], {}
         for term in spec.terms():
             record = await self._record(term.ref)
@@ -77,7 +89,7 @@ class IngressService:
             ):
                 # Same answer for "missing" and "someone else's": a tenant learns nothing about others.
                 err = UnknownAdapter(
-                    f"model: the adapter {term.ref!r} does not exist or you do not have access to it "
+                    f"model: the adapter {oa.clip(term.ref)!r} does not exist or you do not have access to it "
                     "(GET /v1/models lists what you can use)"
                 )
                 err.param = "model"
@@ -97,12 +109,21 @@ class IngressService:
         caller: Caller | None = None,
     ) -> ReplicaRequest:
         """What the replica needs for a validated OpenAI request `req` resolved to `spec` and `records`; the
-        caller's tenant goes along for the replica's fair admission."""
+        caller's tenant goes along for the replica's fair admission. 400 when prompts x n exceeds the
+        per-request cap (AppConfig.max_sequences_per_request): one request must not fill every tenant's queue."""
+        prompts = () if chat else tuple(p if isinstance(p, str) else tuple(p) for p in oa.prompts_of(req))
+        cap = self.cfg.max_sequences_per_request
+        if max(1, len(prompts)) * req.n > cap:
+            raise oa.invalid(
+                "prompt",
+                f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} sequences, over this server's cap "
+                f"of {cap} per request (max_sequences_per_request): split the request",
+            )
         return ReplicaRequest(
             request_id=rid,
             adapter=spec.canonical(),
             records=tuple(r.to_dict() for r in records),
-            prompts=() if chat else tuple(p if isinstance(p, str) else tuple(p) for p in oa.prompts_of(req)),
+            prompts=prompts,
             messages=tuple(oa.messages_of(req)) if chat else None,
             sampling=oa.sampling_of(req),
             n=req.n,
