@@ -164,8 +164,9 @@ def merge_id(terms: list[tuple[str, float]], kind: str = "cat", **options: objec
 
 
 def _bad(model: str, why: str) -> InvalidRequest:
+    shown = model if len(model) <= 100 else model[:100] + "…"  # never echo a huge field back in full
     err = InvalidRequest(
-        f"model: {why} in {model!r}. Use the base model's id, an adapter name, 'name@version', "
+        f"model: {why} in {shown!r}. Use the base model's id, an adapter name, 'name@version', "
         "a chain 'a|b' or a merge 'a*0.7+b*0.3' (or 'ties(a*0.7+b*0.3;density=0.5)')."
     )
     err.param = "model"

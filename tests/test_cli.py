@@ -196,6 +196,11 @@ def test_push_list_show_version_pin_rm_and_tenants(cli, env, bucket, tmp_path, m
     assert "1 version" in cli("adapters", "rm", "acme/sql").stdout
     assert "no adapter 'acme/sql'" in cli.error("adapters", "show", "acme/sql")
 
+    # Deleting a tenant: its key stops working, the listing drops it, a second delete names the problem.
+    assert "deleted tenant globex" in cli("tenants", "delete", "globex").stdout
+    assert [t["name"] for t in cli.json("tenants", "list")] == ["acme"]
+    assert "unknown tenant 'globex'" in cli.error("tenants", "delete", "globex")
+
 
 def test_register_existing_uris_and_validate(cli_inproc, bucket, tmp_path):
     cli = cli_inproc

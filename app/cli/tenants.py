@@ -12,7 +12,9 @@ from app.cli.output import catalog_from_args, json_option, print_json, table
 
 def register(subparsers: Any) -> None:
     js = json_option()
-    tenants = subparsers.add_parser("tenants", help="create and list tenants, rotate their API keys")
+    tenants = subparsers.add_parser(
+        "tenants", help="create, list and delete tenants, rotate their API keys, set quotas"
+    )
     t = tenants.add_subparsers(dest="action", metavar="ACTION", required=True)
     p = t.add_parser("create", parents=[js], help="create tenant NAME and print its API key (shown once)")
     p.add_argument("name")
@@ -22,6 +24,9 @@ def register(subparsers: Any) -> None:
     p = t.add_parser("rotate-key", parents=[js], help="replace NAME's API key (the old one stops working)")
     p.add_argument("name")
     p.set_defaults(func=cmd_tenant_rotate)
+    p = t.add_parser("delete", parents=[js], help="delete NAME and its API key (refused at once everywhere)")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_tenant_delete)
     p = t.add_parser(
         "set-quota",
         parents=[js],
@@ -84,6 +89,15 @@ def cmd_tenant_rotate(args: argparse.Namespace) -> int:
         print_json({"name": args.name, "api_key": key})
     else:
         print(f"new API key for {args.name} (the old one no longer works; shown only now):\n{key}")
+    return 0
+
+
+def cmd_tenant_delete(args: argparse.Namespace) -> int:
+    catalog_from_args(args).delete_tenant(args.name)
+    if args.json:
+        print_json({"name": args.name, "deleted": True})
+    else:
+        print(f"deleted tenant {args.name}; its API key no longer works (its adapters stay, admin-only)")
     return 0
 
 

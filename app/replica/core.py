@@ -211,8 +211,10 @@ class ReplicaCore:
         except LoraLandError:
             raise
         except Exception as e:
+            # The details (URI, local paths) go to the server log only: the tenant gets the adapter's name.
+            log.warning("adapter %s: fetching %s failed: %r", record["ref"], record["uri"], e)
             raise AdapterUnavailable(
-                f"adapter {record['ref']}: cannot fetch {record['uri']} ({e}); retry later"
+                f"adapter {record['ref']}: its files could not be fetched ({type(e).__name__}); retry later"
             ) from e
         self._registered(record["ref"], record["name"])
         if record.get("pinned"):

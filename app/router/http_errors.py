@@ -7,6 +7,7 @@ the exception it names (`Failure.to_exception`). OpenAI's shape: {"error": {"mes
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 from app.errors import (
@@ -71,6 +72,8 @@ def _unwrap(exc: BaseException) -> BaseException:
     A replica's in-band failure maps as the exception it names."""
     if isinstance(exc, RequestFailed):
         return exc.failure.to_exception()
+    if "ray" not in sys.modules:  # no Ray in this process, so no Ray exception (and no 1-2 s import stall)
+        return exc
     try:
         from ray.exceptions import RayTaskError
     except ImportError:  # pragma: no cover - ray is a dependency
@@ -93,6 +96,8 @@ def _ray_failure(exc: BaseException) -> HTTPFailure | None:
             code="timeout",
             retry_after_s=1.0,
         )
+    if "ray" not in sys.modules:
+        return None
     try:
         from ray import exceptions as rex
         from ray.serve import exceptions as sex
