@@ -3,11 +3,18 @@
 A fetch the catalog describes (`files`: {name: sha256}) is content-addressed in the cache, so a hit needs no
 network at all and a cached adapter survives S3 being down; each file is hashed while it downloads. A fetch by
 bare URI lists the prefix and is cached by URI, refreshed when the objects' ETags change. The boto3 calls and
-their error messages are in s3_api.py."""
+their error messages are in s3_api.py.
+
+A URI names a bucket and a prefix, never a host: the bucket must be a plain S3 bucket name, because botocore
+turns an access-point or Outposts ARN, an S3 Express directory bucket (`--x-s3`) or a multi-region access point
+given as the bucket into a request to another host (`myap-123456789012.<endpoint>`), and a URI sent by an API
+caller must not choose where the server connects. With a configured endpoint, requests are path-style
+(s3_api.py), so the host is exactly AWS_ENDPOINT_URL's."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +26,31 @@ from app.config.settings import S3Settings
 from app.errors import AdapterUnavailable, InvalidRequest
 from app.files import safe_relpath
 
+# AWS's bucket naming rules: 3-63 characters, lowercase letters, digits, '.', '-', a letter or digit at each
+# end, no '..', not an IPv4 address; the reserved prefixes and suffixes name aliases that route elsewhere.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4_RE = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", "--x-s3", "--table-s3", ".mrap")
+
+
+def check_bucket(bucket: str, uri: str) -> str:
+    """`bucket` if it is a plain S3 bucket name; InvalidRequest otherwise (see the module docstring)."""
+    bad = (
+        not _BUCKET_RE.match(bucket)
+        or ".." in bucket
+        or _IPV4_RE.match(bucket) is not None
+        or bucket.startswith(_RESERVED_PREFIXES)
+        or bucket.endswith(_RESERVED_SUFFIXES)
+    )
+    if bad:
+        raise InvalidRequest(
+            f"S3 URI {uri[:200]!r}: {bucket[:100]!r} is not a plain S3 bucket name (3-63 characters from a-z, "
+            "0-9, '.' and '-'; no ARNs, access-point aliases or IP addresses): adapters are read from buckets "
+            "on the configured S3 endpoint only"
+        )
+    return bucket
+
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """'s3://bucket/some/prefix/' -> ('bucket', 'some/prefix')."""
@@ -28,6 +60,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     prefix = prefix.strip("/")
     if not bucket or not prefix:
         raise InvalidRequest(f"S3 URI {uri!r} needs a bucket and a prefix: s3://bucket/prefix")
+    check_bucket(bucket, uri)
     safe_relpath(prefix, where=uri)
     return bucket, prefix
 

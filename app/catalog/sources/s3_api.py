@@ -74,7 +74,13 @@ def _new_client(settings: S3Settings) -> Any:
         region_name=settings.region,
         profile_name=settings.profile,
     )
-    cfg = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60)
+    # Path-style with a configured endpoint: the bucket goes in the path, so every request goes to exactly that
+    # host (virtual-hosted style would send it to <bucket>.<endpoint host>). botocore never follows an HTTP
+    # redirect's Location; its S3 region redirect re-resolves the same endpoint with another signing region.
+    s3_cfg = {"addressing_style": "path"} if settings.endpoint_url else None
+    cfg = Config(
+        retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60, s3=s3_cfg
+    )
     return session.client("s3", endpoint_url=settings.endpoint_url, config=cfg)
 
 
