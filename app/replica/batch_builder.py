@@ -57,8 +57,10 @@ class BatchBuilder:
         if dec_idx:
             width = max(len(t) for t in dec_tables)
             fb.decode_idx = torch.tensor(dec_idx, device=dev)
+            # Pad each table with its own first block, not block 0: attention reads the padding under a mask,
+            # and 0 * inf is NaN, so a padded row must never read another sequence's (maybe broken) KV.
             fb.decode_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in dec_tables], device=dev
+                [t + t[:1] * (width - len(t)) for t in dec_tables], device=dev
             )
             fb.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
         fb.lora = self.adapters.lora_batch(seqs_tokens)

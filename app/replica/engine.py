@@ -10,6 +10,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from app.config.kernel_config import KernelConfig
 from app.errors import InvalidRequest, QueueFull
 from app.protocol import Failure
@@ -19,7 +21,7 @@ from app.replica.kv_cache import BlockAllocator, KVCache
 from app.replica.lora.null import AdapterHooks, NullAdapters
 from app.replica.model import Model
 from app.replica.outputs import Delta, OutputProcessor
-from app.replica.sampling import SamplingParams, sample
+from app.replica.sampling import NonFiniteLogits, SamplingParams, sample
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
 
@@ -51,6 +53,10 @@ class EngineConfig:
 
 class Engine:
     """Requests enter through `add` (any thread); one thread runs `step()` while there is work."""
+
+    # Tests only: called with each sequence that samples in a step, inside that step's sampling; raising fails
+    # that sequence alone (the fault-isolation tests inject a fault into one row this way). None costs nothing.
+    fault_hook: Callable[[Sequence], None] | None = None
 
     def __init__(
         self,
@@ -179,6 +185,9 @@ class Engine:
                     with self._lock:
                         self._wake.wait(timeout=0.005)
             except Exception as e:  # never let one bad batch kill the loop
+                # Only a step-wide failure lands here (building the batch, the forward pass, the scheduler):
+                # no row of it has logits, so every running sequence fails. Anything one row can cause
+                # (non-finite logits, an error drawing its token) fails that sequence alone in `step`.
                 log.exception("engine step failed")
                 self._fail_running(Failure("internal", f"internal error in the engine step: {e}"))
         self.adapters.close()
@@ -211,13 +220,57 @@ class Engine:
             return False
         fb, sampled_items = self.builder.build(batch)
         logits = self.model.forward(fb, self.kv)
+        hook = self.fault_hook
         tokens = sample(
-            logits, [it.seq.params for it in sampled_items], [it.seq.sampler for it in sampled_items]
+            logits,
+            [it.seq.params for it in sampled_items],
+            [it.seq.sampler for it in sampled_items],
+            None if hook is None else lambda i: hook(sampled_items[i].seq),
         )
+        broken = {id(it.seq) for it, tok in zip(sampled_items, tokens) if isinstance(tok, Exception)}
+        if broken:  # those sequences end here: nothing of this step is theirs to commit
+            batch.items = [it for it in batch.items if id(it.seq) not in broken]
         self.scheduler.commit(batch)
         for it, tok in zip(sampled_items, tokens):
-            self._append(it.seq, tok)
+            if isinstance(tok, Exception):
+                self._fail_row(it.seq, tok)
+            else:
+                self._append(it.seq, tok)
         return True
+
+    def _fail_row(self, seq: Sequence, exc: Exception) -> None:
+        """One sequence of the batch failed; the others carry on untouched."""
+        if isinstance(exc, NonFiniteLogits):
+            # Its KV may hold inf/NaN too. Attention reads stale slots of reused blocks under a mask, and
+            # 0 * inf is NaN, so clear the non-finite values before its blocks go back to the pool.
+            self._scrub(seq.block_ids)
+            if seq.adapter:  # the adapter is at fault (the base model alone gives finite logits): a 400
+                failure = Failure(
+                    "InvalidAdapter",
+                    f"adapter {seq.adapter!r} produced non-finite logits (inf/NaN) for this request, so no "
+                    "token can be sampled: its weights are likely absurdly large or corrupt; check them",
+                )
+            else:
+                failure = Failure("internal", "the base model produced non-finite logits (inf/NaN)")
+        else:
+            log.error("sampling failed for sequence %d only", seq.seq_id, exc_info=exc)
+            failure = Failure.of(exc)
+            if failure.kind == "internal":
+                failure = Failure(
+                    "internal",
+                    f"internal error while sampling this request ({type(exc).__name__}); see the server log",
+                )
+        self._finish(seq, "abort", failure)
+
+    def _scrub(self, block_ids: list[int]) -> None:
+        """Zero the inf/NaN entries of these KV blocks (finite values, shared prefix blocks, stay as they are)."""
+        if not block_ids:
+            return
+        idx = torch.tensor(block_ids, device=self.model.device)
+        for cache in (*self.kv.k, *self.kv.v):
+            cache.index_copy_(
+                0, idx, torch.nan_to_num(cache.index_select(0, idx), nan=0.0, posinf=0.0, neginf=0.0)
+            )
 
     # ------------------------------------------------------------------ outputs
     def _append(self, seq: Sequence, tok: int) -> None:
