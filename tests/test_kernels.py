@@ -136,6 +136,19 @@ def test_cpu_dora_rescale_matches_reference(popularity, method, dtype):
         check_dora(method, dtype, slot_ids(popularity, T, 40, n_base, gen), 40, 64, 8, 48, use_bias, gen)
 
 
+@pytest.mark.parametrize("method", CPU_METHODS, ids=str)
+def test_cpu_dora_fp32_factors_on_bf16_outputs(method):
+    """The pools keep f and the bias in fp32 whatever their dtype: bf16 outputs and pools, fp32 factors."""
+    gen = torch.Generator().manual_seed(25)
+    ids = slot_ids("zipf", 30, 12, 4, gen)
+    A, B = pool(12, 64, 8, 40, torch.bfloat16, gen)
+    x, y = torch.randn(30, 64, generator=gen).bfloat16(), torch.randn(30, 40, generator=gen).bfloat16()
+    f, bias = torch.rand(12, 40, generator=gen) + 0.5, torch.randn(40, generator=gen)
+    y_ref = R.expand_ref(y, R.shrink_ref(x, A, ids), B, ids, None, f, bias)
+    K.lora_linear_delta(y, x, A, B, K.build_segments(ids, 12), base_scale=f, base_bias=bias, method=method)
+    assert y.dtype == torch.bfloat16 and rel_err(y, y_ref) <= TOL[torch.bfloat16]
+
+
 def test_dora_reference_is_peft_dora_linear():
     """The kernels' DoRA semantics (scale folded into B, base rescaled) equal PEFT's DoRA layer at eval."""
     from peft.tuners.lora.dora import DoraLinearLayer

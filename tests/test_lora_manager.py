@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from app.config.model_config import ModelConfig
+from app.errors import InvalidAdapter
 from app.replica.lora.manager import AdapterManager
 from app.replica.lora.merge import merge_adapters
 from app.replica.lora.weights import LoraWeights
@@ -157,3 +158,71 @@ def test_lora_batch_applies_every_adapter_delta(manager):
             t += n
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
     assert len(m.pools) == 2 and m.free_slots() == 1
+
+
+class FakeBase:
+    """BaseWeights' interface over random tensors: W [out, in] per (layer, module), no biases."""
+
+    def __init__(self):
+        g, shapes = torch.Generator().manual_seed(99), CFG.linear_shapes()
+        self.W = {
+            (lay, m): torch.randn(o, i, generator=g)
+            for lay in range(CFG.num_layers)
+            for m, (i, o) in shapes.items()
+        }
+        self.reads = 0
+
+    def weight(self, layer, module):
+        self.reads += 1
+        return self.W[(layer, module)]
+
+    def bias(self, layer, module):
+        return None
+
+
+def dora(name: str, seed: int) -> LoraWeights:
+    lw = lora(name, 2, ("q_proj", "v_proj"), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    lw.magnitude = {k: torch.rand(b.shape[0], generator=g) + 0.5 for k, (_, b) in lw.tensors.items()}
+    return lw
+
+
+def test_dora_factors_are_computed_off_the_engine_thread_and_refused_without_base():
+    base = FakeBase()
+    m = AdapterManager(
+        CFG,
+        max_adapters=2,
+        max_cpu_adapters=1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        base_weights=base,
+    )
+    try:
+        da, pb = dora("d", 5), lora("p", 2, ("q_proj", "v_proj"), 6)
+        e = add(m, "d", da)
+        assert (
+            e.weights.dora_scale is not None and da.dora_scale is None
+        )  # prepared on register, input untouched
+        key = (0, "q_proj")
+        a, b = da.tensors[key]
+        want = da.magnitude[key] / torch.linalg.norm(base.W[key] + da.scale * b @ a, dim=1)
+        torch.testing.assert_close(e.weights.dora_scale[key], want)
+        add(m, "p", pb)  # one host slot: the DoRA adapter's weights are dropped from the host
+        assert e.weights is None
+        seq = Sequence(0, [1], SamplingParams(), adapter="d@1")
+        reads = base.reads
+        assert not m.admit(seq)  # a background re-read ...
+        e.loading.result()
+        m.poll()
+        assert e.weights.dora_scale is not None and base.reads > reads  # ... computed the factors again
+        assert m.admit(seq) and e.slot[0].signature.dora
+    finally:
+        m.close()
+    plain = AdapterManager(
+        CFG, max_adapters=2, max_cpu_adapters=None, dtype=torch.float32, device=torch.device("cpu")
+    )
+    try:
+        with pytest.raises(InvalidAdapter, match="base_weights"):
+            add(plain, "d", dora("d", 5))
+    finally:
+        plain.close()

@@ -46,8 +46,10 @@ class ModuleB(NamedTuple):
     c0: int  # its columns c0:c1 of the fused output (q/k/v side by side)
     c1: int
     B: torch.Tensor  # [cap, r1 - r0, c1 - c0], scale (and DoRA's f) folded in
-    base_scale: torch.Tensor | None = None  # DoRA pools: f [cap, c1 - c0]
-    base_bias: torch.Tensor | None = None  # DoRA pools: the base linear's bias [c1 - c0] (None: no bias)
+    base_scale: torch.Tensor | None = None  # DoRA pools: f [cap, c1 - c0], fp32
+    base_bias: torch.Tensor | None = (
+        None  # DoRA pools: the base linear's bias [c1 - c0], fp32 (None: no bias)
+    )
 
 
 class GroupWeights:
@@ -71,10 +73,10 @@ class GroupWeights:
         for module, r, out, col in modules:
             B = torch.empty(cap, r, out, dtype=dtype, device=device)
             f = bias = None
-            if biases is not None:
-                f = torch.empty(cap, out, dtype=dtype, device=device)
+            if biases is not None:  # fp32 whatever the pool dtype: f is ~1 and bf16 would round it by 0.4%
+                f = torch.empty(cap, out, dtype=torch.float32, device=device)
                 b = biases.get(module)
-                bias = None if b is None else b.to(device=device, dtype=dtype)
+                bias = None if b is None else b.to(device=device, dtype=torch.float32)
             self.parts.append(ModuleB(module, r0, r0 + r, col, col + out, B, f, bias))
             r0 += r
 
