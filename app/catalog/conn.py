@@ -12,6 +12,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from app import metrics
 from app.catalog import lua
 from app.errors import CatalogUnavailable, InvalidRequest
 
@@ -40,13 +41,16 @@ def connect(url: str) -> redis.Redis:
 
 
 def guard(fn: Callable) -> Callable:
-    """Turn redis-py's connection failures into CatalogUnavailable naming the URL (`self.url`)."""
+    """Turn redis-py's connection failures into CatalogUnavailable naming the URL (`self.url`), and count them
+    (loraland_catalog_errors_total{op})."""
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as e:
+            if metrics.enabled():
+                metrics.CATALOG_ERRORS.labels(fn.__name__).inc()
             raise CatalogUnavailable(
                 f"Redis at {self.url} is unreachable ({e}): start it, or point LORALAND_REDIS_URL / --redis "
                 "at a running one"

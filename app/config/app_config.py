@@ -8,6 +8,7 @@ from pathlib import PurePath
 from typing import Any
 
 from app.config.kernel_config import KernelConfig
+from app.config.metrics_config import MetricsConfig
 
 ROUTER_KEYS = frozenset({"overload_load", "overload_kv", "max_per_tier", "assignment_ttl_s"})
 
@@ -37,6 +38,7 @@ class AppConfig:
     # The kernel's options; YAML and `serve run` give a dict (only the keys they set), turned into this.
     kernel: KernelConfig = field(default_factory=KernelConfig)
     router: dict[str, Any] = field(default_factory=dict)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # a mapping in YAML: app/config/metrics_config.py
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 10.0
     routing_stats_period_s: float = 1.0
@@ -81,6 +83,11 @@ class AppConfig:
                 raise ValueError(f"kernel: {e}") from None
         elif not isinstance(self.kernel, KernelConfig):
             raise ValueError(f"kernel: a mapping of LLMKernel options, got {type(self.kernel).__name__}")
+        if not isinstance(self.metrics, MetricsConfig):
+            try:
+                object.__setattr__(self, "metrics", MetricsConfig.from_options(self.metrics))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"metrics: {e}") from None
         bad = sorted(set(self.router) - ROUTER_KEYS)
         if bad:
             raise ValueError(f"router: unknown keys {bad}; the router accepts {sorted(ROUTER_KEYS)}")
@@ -132,7 +139,7 @@ def coerce_args(args: dict[str, Any]) -> dict[str, Any]:
                 value = int(value)
             elif kind.startswith("float"):
                 value = float(value)
-            elif kind.startswith(("dict", "KernelConfig")):
+            elif kind.startswith(("dict", "KernelConfig", "MetricsConfig")):
                 import json
 
                 value = json.loads(value)

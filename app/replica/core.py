@@ -16,10 +16,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from app import metrics
+from app.catalog.telemetry import start_process_metrics
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
 from app.errors import AdapterUnavailable, InvalidAdapter, LoraLandError
 from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, ReplyItem
+from app.replica import metrics as replica_metrics
 
 log = logging.getLogger("loraland.replica")
 
@@ -57,6 +60,9 @@ class ReplicaCore:
         self._threads: list[threading.Thread] = []
         self._unsubscribe = None
         self._tenant_weights: dict[str, float] | None = None  # what the kernel was last given
+        self._gauges = replica_metrics.ReplicaGauges(self)  # read when /metrics or a snapshot collects
+        metrics.REGISTRY.register(self._gauges)
+        self._metrics: Any = None  # the snapshot publisher, once started
 
     def _connect(self):
         if not self.settings.redis_url:
@@ -71,6 +77,7 @@ class ReplicaCore:
 
     # ------------------------------------------------------------------ background: heartbeats, events
     def start(self) -> None:
+        self._metrics = start_process_metrics(self.cfg.metrics, lambda: self.catalog, replica=self.replica_id)
         t = threading.Thread(target=self._heartbeat_loop, name="loraland-heartbeat", daemon=True)
         t.start()
         self._threads.append(t)
@@ -182,7 +189,9 @@ class ReplicaCore:
             raise err
         pending = self._loading.get(ref)
         if pending is None:
+            timer = replica_metrics.LoadTimer(self.hub, record)  # before the load: the source is its origin
             pending = asyncio.ensure_future(self._load(record))
+            pending.add_done_callback(timer.finished)
             self._loading[ref] = pending
             pending.add_done_callback(lambda _f: self._loading.pop(ref, None))
         await asyncio.shield(pending)
@@ -258,6 +267,7 @@ class ReplicaCore:
     # ------------------------------------------------------------------ generation
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
         yield ReplicaHello(self.replica_id)
+        replica_metrics.note_request(request.records)
         try:
             for record in request.records:
                 await self.ensure(record)
@@ -325,6 +335,12 @@ class ReplicaCore:
 
     def close(self) -> None:
         self._stop.set()
+        if self._metrics is not None:
+            self._metrics.stop()
+        try:
+            metrics.REGISTRY.unregister(self._gauges)
+        except KeyError:  # closed twice
+            pass
         if self._unsubscribe is not None:
             try:
                 self._unsubscribe()

@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: true = server-sent events), GET /v1/models;
 admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/placement, GET/PUT
-/v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/quotas.py); GET /healthz.
+/v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/quotas.py); GET /metrics (the cluster's
+Prometheus metrics: app/router/metrics.py) and GET /status (the status page: app/router/status_page.py);
+GET /healthz.
 Every error is OpenAI-shaped, with its status chosen in app/router/http_errors.py.
 """
 
@@ -17,15 +19,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from app.catalog.telemetry import start_process_metrics
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
 from app.router import openai_schema as oa
 from app.router.auth import Authenticator
 from app.router.body_limit import BodyLimit
 from app.router.http_errors import error_reply
+from app.router.metrics import RequestObserver, add_metrics_route
 from app.router.quotas import QuotaLimiter, add_quota_routes
 from app.router.replica_client import ReplicaStream, ServeBackend
 from app.router.service import CatalogProxy, IngressService
+from app.router.status_page import add_status_routes
 
 log = logging.getLogger("loraland.ingress")
 
@@ -45,19 +50,32 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     api.add_middleware(BodyLimit, max_bytes=service.cfg.max_request_bytes)  # 413 before a big body is read
     api.state.quotas = quotas = quotas or QuotaLimiter.for_service(service)
     add_quota_routes(api, auth, service.catalog)  # first: /v1/adapters/{name:path} would take its paths
+    add_metrics_route(api, auth, service.catalog)
+    add_status_routes(api, auth, service)
 
     async def generate(request: Request, chat: bool) -> Response:
+        obs = RequestObserver()  # outcome, tokens, TTFT/TPOT of every request, refused ones too
+        try:
+            return await answer(request, chat, obs)
+        except Exception as e:
+            obs.failed(e)
+            raise
+
+    async def answer(request: Request, chat: bool, obs: RequestObserver) -> Response:
         caller = auth.caller(request.headers.get("authorization"))
+        obs.caller(caller)
         req = oa.validate(
             oa.ChatRequest if chat else oa.CompletionRequest, oa.parse_body(await request.body())
         )
         spec, records = await service.resolve(req.model, caller)
+        obs.resolved(spec)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         stream = service.stream(service.request(req, spec, records, chat, rid, caller), spec.canonical())
         stream = await quotas.admit(stream)  # 429 over a tenant's or adapter's quota
         if req.stream:
-            return await _stream(service, req, stream, rid, chat)
+            return await _stream(service, req, stream, rid, chat, obs)
         choices = await stream.collect()
+        obs.finish(200, stream, req.n)
         body = oa.completion_response(
             rid, req.model, [choices[i] for i in sorted(choices)], service.usage_of(choices, req.n), chat
         )
@@ -144,7 +162,9 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     return api
 
 
-async def _stream(service: IngressService, req: Any, stream: ReplicaStream, rid: str, chat: bool) -> Response:
+async def _stream(
+    service: IngressService, req: Any, stream: ReplicaStream, rid: str, chat: bool, obs: RequestObserver
+) -> Response:
     # The first output is awaited before answering, so errors found at admission (unknown adapter, prompt too
     # long, queue full) get their real status code instead of a 200 with an error event.
     first = await stream.open()
@@ -164,15 +184,18 @@ async def _stream(service: IngressService, req: Any, stream: ReplicaStream, rid:
                     started.add(idx)
                 item = await stream.next()
             done = True
+            obs.finish(200, stream, req.n)
             if include_usage:
                 yield oa.sse(oa.usage_chunk(rid, req.model, service.usage_of(stream.choices, req.n), chat))
         except Exception as e:
             # Headers are gone: the error travels as an event the openai client raises as APIError.
             reply = error_reply(e)
+            obs.finish(reply.status, stream, req.n, error=e)
             yield oa.sse({**reply.body, "status": reply.status})
         finally:
             if not done:
                 stream.cancel()
+                obs.finish("cancelled", stream, req.n)  # the client went away (a no-op after an error)
         yield oa.SSE_DONE
 
     return StreamingResponse(
@@ -180,6 +203,12 @@ async def _stream(service: IngressService, req: Any, stream: ReplicaStream, rid:
         media_type="text/event-stream",
         headers={REPLICA_HEADER: stream.replica or "", "Cache-Control": "no-cache"},
     )
+
+
+def _replica_id() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
 
 
 def make_ingress_deployment(cfg: AppConfig):
@@ -198,6 +227,7 @@ def make_ingress_deployment(cfg: AppConfig):
             self.cfg = AppConfig.from_dict(config)
             settings = Settings.from_env()
             self.catalog = CatalogProxy(self.cfg.redis_url or settings.redis_url)
+            self.metrics = start_process_metrics(self.cfg.metrics, self.catalog.get, ingress=_replica_id())
             self.service = IngressService(self.cfg, ServeBackend(replicas), self.catalog)
             self.auth = Authenticator(
                 self.catalog, self.cfg.admin_token or settings.admin_token, no_auth=self.cfg.no_auth

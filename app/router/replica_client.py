@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -50,6 +51,7 @@ class ReplicaStream:
         self.backend, self.request, self.model_id, self.timeout_s = backend, request, model_id, timeout_s
         self.replica: str | None = None  # which replica answered (ReplicaHello)
         self.choices: dict[int, ChoiceDelta] = {}
+        self.first_delta_at: float | None = None  # time.monotonic() of the first delta read (TTFT)
         self._items: AsyncIterator[ReplyItem] | None = None
         self._done = False
 
@@ -115,7 +117,7 @@ class ReplicaStream:
 
     # ------------------------------------------------------------------ internals
     def _start(self) -> None:
-        self.replica, self.choices, self._done = None, {}, False
+        self.replica, self.choices, self._done, self.first_delta_at = None, {}, False, None
         self._items = self.backend.stream(self.request, self.model_id)
 
     async def _read(self) -> ReplyItem:
@@ -128,6 +130,8 @@ class ReplicaStream:
             raise RequestFailed(item)
         if not isinstance(item, ChoiceDelta):
             raise LoraLandError(f"the replica sent {type(item).__name__} where a ChoiceDelta belongs")
+        if self.first_delta_at is None:
+            self.first_delta_at = time.monotonic()
         held = self.choices.get(item.index)
         if held is None:  # a copy: the caller may still read `item` after later deltas fold into ours
             self.choices[item.index] = dataclasses.replace(item)

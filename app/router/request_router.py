@@ -15,6 +15,7 @@ import time
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app.names import parse_model
+from app.router.metrics import record_decision
 from app.router.placement import PlacementPolicy, rank_replicas, view_from_stats
 
 logger = logging.getLogger("ray.serve")
@@ -92,10 +93,15 @@ class AdapterAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._state_ready()
         model_id = pending_request.metadata.multiplexed_model_id
+        replica = self._replicas.get(replica_id)
+        needed = adapters_of(model_id) if model_id else []
+        # Classified on what this router knew before this request (its own memory is updated below).
+        stats = getattr(replica, "routing_stats", None)
+        record_decision(needed, stats, self._recent_placement(), replica_id.unique_id)
         if not model_id:
             return
         now = time.time()
-        for adapter in adapters_of(model_id):
+        for adapter in needed:
             self._assigned.setdefault(adapter, {})[replica_id.unique_id] = now
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

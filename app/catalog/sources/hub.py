@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from app.catalog.records import AdapterRecord
+from app.catalog.records import AdapterRecord, manifest_sha256
 from app.catalog.sources import hf, local, s3
 from app.catalog.sources.disk_cache import DiskCache
 from app.catalog.sources.verify import adapter_files, check_size, hash_folder
@@ -96,6 +96,13 @@ class AdapterHub:
         raise InvalidRequest(
             f"unsupported adapter source {uri!r}: use s3://bucket/prefix, hf://org/repo[@rev] or a folder"
         )
+
+    def cached(self, uri: str, files: dict[str, str] | None) -> bool:
+        """Whether fetch(uri, files=files) would be served from the disk cache (an S3 adapter the catalog
+        describes, already downloaded): the `source` label of a replica's load metrics."""
+        if not (uri.startswith("s3://") and files):
+            return False
+        return self.cache.lookup("sha-" + manifest_sha256(files)[:40]) is not None  # s3.fetch's cache key
 
     # ----------------------------------------------------------------- upload
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app import metrics
 from app.config.model_config import ModelConfig
 from app.replica.lora.dora import BaseWeights, with_dora_scales
 from app.replica.lora.pools import LoraBatch, Pool, PoolPlan, signature
@@ -251,6 +252,8 @@ class AdapterManager:
         if e.loading is not None:
             return
         self.loads += 1
+        if metrics.enabled():
+            metrics.ADAPTER_RELOADS.labels(metrics.adapter_seen(e.name)).inc()
 
         def done(_):
             with self._lock:
@@ -271,6 +274,8 @@ class AdapterManager:
             victim.slot[0].remove(victim.slot[1])
             victim.slot = None
             self.evictions += 1
+            if metrics.enabled():
+                metrics.EVICTIONS.labels(metrics.adapter_seen(victim.name), "device").inc()
         sig = signature(e.weights)
         pool = self.pools.get(sig)
         if pool is None:
@@ -299,6 +304,8 @@ class AdapterManager:
                 break
             del self.host_lru[victim]
             self.entries[victim].weights = None  # device copy (if any) stays; re-read from source when needed
+            if metrics.enabled():
+                metrics.EVICTIONS.labels(metrics.adapter_seen(self.entries[victim].name), "host").inc()
 
     # ------------------------------------------------------------------ introspection
     def resident(self) -> list[str]:

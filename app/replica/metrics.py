@@ -1,0 +1,143 @@
+"""A replica's metrics: gauges read from its kernel when the registry is collected (nothing is updated per engine
+step, so the step loop pays nothing for them), and adapter-load records with where the files came from.
+
+The gauges carry no `replica` label of their own: the process is named once (metrics.identify), and the label is
+added to every series of the process when the ingress merges the cluster's snapshots (app/router/metrics.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from app import metrics
+
+log = logging.getLogger("loraland.replica")
+
+
+def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=list(labels))
+    g.add_metric(list(labels.values()), value)
+    return g
+
+
+def disk_cached(root: Any) -> int:
+    """Adapters in the disk cache (folders with a manifest): a directory listing, no file reads."""
+    try:
+        names = {e.name for e in os.scandir(root)}
+    except OSError:
+        return 0
+    return sum(1 for n in names if not n.startswith(".") and f"{n}.json" in names)
+
+
+class ReplicaGauges(Collector):
+    """The kernel's state as gauges: queue, batch, KV blocks, prefix cache, adapters per tier, free slots."""
+
+    def __init__(self, core: Any):
+        self.core = core
+
+    def collect(self) -> Iterator[Any]:
+        r = {"replica": self.core.replica_id}  # explicit: a test process may hold several replicas
+        kernel = self.core.kernel
+        try:
+            s = kernel.stats()
+            engine, manager = kernel.engine, kernel.adapter_manager
+            alloc = engine.allocator
+            host = len(manager.host_lru)
+        except Exception as e:  # a kernel that is closing: report nothing rather than fail the scrape
+            log.debug("replica gauges unavailable: %s", e)
+            return
+        yield _gauge(
+            "loraland_queue_depth", "Sequences waiting for a place in the batch", s.get("queue_len", 0), r
+        )
+        yield _gauge("loraland_running_sequences", "Sequences in the running batch", s.get("running", 0), r)
+        yield _gauge("loraland_kv_blocks_used", "KV cache blocks in use", alloc.num_used, r)
+        yield _gauge("loraland_kv_blocks_total", "KV cache blocks", alloc.num_blocks, r)
+        yield _gauge(
+            "loraland_prefix_cache_hit_ratio",
+            "Prefix-cache block lookups that hit, since the replica started",
+            alloc.hits / alloc.queries if alloc.queries else 0.0,
+            r,
+        )
+        for name, doc, value in (
+            ("loraland_prefix_cache_queries", "Prefix-cache block lookups", alloc.queries),
+            ("loraland_prefix_cache_hits", "Prefix-cache block lookups that hit", alloc.hits),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["replica"])
+            c.add_metric([r["replica"]], value)
+            yield c
+        yield _gauge(
+            "loraland_adapter_slots_free", "Free adapter slots on the device", s.get("free_slots", 0), r
+        )
+        tiers = GaugeMetricFamily(
+            "loraland_adapters_resident",
+            "Adapters held per tier: device slots, parsed in host memory, files in the disk cache",
+            labels=["replica", "tier"],
+        )
+        tiers.add_metric([r["replica"], "device"], len(s.get("resident") or ()))
+        tiers.add_metric([r["replica"], "host"], host)
+        tiers.add_metric([r["replica"], "disk"], disk_cached(self.core.hub.cache.root))
+        yield tiers
+
+
+def load_source(hub: Any, uri: str, files: dict[str, str] | None) -> str:
+    """Where a load of `uri` will read from: s3, hf, local or disk-cache (an S3 adapter already cached)."""
+    if uri.startswith("s3://"):
+        try:
+            return "disk-cache" if files and hub.cached(uri, files) else "s3"
+        except Exception:  # the label is best effort; the load itself reports real problems
+            return "s3"
+    if uri.startswith("hf://"):
+        return "hf"
+    return "local"
+
+
+class LoadTimer:
+    """Times one adapter load on a replica and records it: count, latency and bytes by source, or a failure."""
+
+    def __init__(self, hub: Any, record: dict):
+        self.record = record
+        self.source = load_source(hub, record["uri"], record.get("files")) if metrics.enabled() else ""
+        self.t0 = time.monotonic()
+
+    def done(self) -> None:
+        if not metrics.enabled():
+            return
+        name, seconds = self.record["name"], time.monotonic() - self.t0
+        nbytes = int(self.record.get("size") or 0)
+        metrics.ADAPTER_LOADS.labels(metrics.adapter_seen(name), self.source).inc()
+        metrics.ADAPTER_LOAD_SECONDS.labels(self.source).observe(seconds)
+        metrics.ADAPTER_LOAD_BYTES.labels(self.source).inc(nbytes)
+        metrics.event(
+            "load", adapter=self.record["ref"], source=self.source, seconds=round(seconds, 4), bytes=nbytes,
+            **metrics.identity(),
+        )  # fmt: skip
+
+    def finished(self, fut: Any) -> None:
+        """The load's done callback: `done` or `failed` from how its future ended (cancelled: nothing)."""
+        if fut.cancelled():
+            return
+        err = fut.exception()
+        self.failed(err) if err is not None else self.done()
+
+    def failed(self, err: BaseException) -> None:
+        if not metrics.enabled():
+            return
+        metrics.ADAPTER_LOAD_FAILURES.labels(metrics.adapter_seen(self.record["name"])).inc()
+        metrics.event(
+            "error", where="adapter load", adapter=self.record["ref"], status=None,
+            message=str(err)[:300], **metrics.identity(),
+        )  # fmt: skip
+
+
+def note_request(records: Any) -> None:
+    """Count a request's adapters as traffic on this replica, so its own top-K labels follow its load."""
+    if metrics.enabled():
+        for r in records:
+            metrics.adapters(r["name"])

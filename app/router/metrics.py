@@ -1,0 +1,170 @@
+"""The ingress's metrics: one request's outcome, tokens and timing; the router's decisions; and GET /metrics for
+the whole cluster (this process's registry read live, plus every other LoRA-Land process's latest snapshot from
+the catalog: app/metrics.py has the story).
+
+GET /metrics needs the admin token when auth is on: the series name tenants and adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from app import metrics
+from app.router.http_errors import error_reply
+
+log = logging.getLogger("loraland.ingress")
+
+_VERSION = re.compile(r"@\d+")
+
+
+def adapter_text(spec: Any) -> str | None:
+    """What a request ran, without versions: 'a', 'a|b', 'a*0.5+b*0.5'; None for the base model."""
+    return _VERSION.sub("", spec.canonical()) if spec.stages else None
+
+
+class RequestObserver:
+    """One request's metrics, from its arrival to its last byte. Tell it the caller once authenticated and the
+    model once resolved; `finish` (once) records the outcome, tokens, TTFT, TPOT and duration."""
+
+    __slots__ = ("t0", "on", "adapter", "tenant", "text", "finished")
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.on = metrics.enabled()
+        self.adapter = self.tenant = metrics.NONE
+        self.text: str | None = None
+        self.finished = False
+
+    def caller(self, caller: Any) -> None:
+        if self.on:
+            self.tenant = metrics.tenant_label(caller.tenant)
+
+    def resolved(self, spec: Any) -> None:
+        if self.on:
+            self.text = adapter_text(spec)
+            self.adapter = metrics.adapter_label(self.text)
+
+    def failed(self, exc: BaseException) -> None:
+        self.finish(error_reply(exc).status, error=exc)
+
+    def finish(
+        self, status: int | str, stream: Any = None, n: int = 1, error: BaseException | None = None
+    ) -> None:
+        """`status`: the HTTP status sent (or the one an error event carried), or "cancelled" (client gone)."""
+        if not self.on or self.finished:
+            return
+        self.finished = True
+        end = time.monotonic()
+        outcome = status if isinstance(status, str) else f"{status // 100}xx"
+        metrics.REQUESTS.labels(self.adapter, self.tenant, outcome).inc()
+        choices = getattr(stream, "choices", None) or {}
+        if choices:
+            prompt = sum(c.prompt_tokens for i, c in choices.items() if i % max(1, n) == 0)
+            completion = [c.completion_tokens for c in choices.values()]
+            metrics.PROMPT_TOKENS.labels(self.adapter, self.tenant).inc(prompt)
+            metrics.COMPLETION_TOKENS.labels(self.adapter, self.tenant).inc(sum(completion))
+            first = getattr(stream, "first_delta_at", None)
+            if first is not None:
+                metrics.TTFT.labels(self.adapter).observe(max(0.0, first - self.t0))
+                if max(completion) > 1:
+                    metrics.TPOT.labels(self.adapter).observe(max(0.0, end - first) / (max(completion) - 1))
+        if self.text is not None or self.adapter == metrics.BASE:
+            metrics.E2E.labels(self.adapter).observe(end - self.t0)
+            metrics.used(self.text or metrics.BASE)
+        if error is not None and not isinstance(status, str) and status >= 400:
+            metrics.event(
+                "error", where="request", status=status, adapter=self.text, tenant=self.tenant,
+                message=str(error)[:300], **metrics.identity(),
+            )  # fmt: skip
+
+
+# ---------------------------------------------------------------- the router's decisions
+def decision(
+    adapters: list[str], stats: Mapping | None, placement: Mapping[str, Collection[str]], uid: str
+) -> str:
+    """How a request for `adapters` lands on the replica with `stats` (its routing stats) and id `uid`: "held"
+    (it holds or is loading every one, or the router just sent them there), "free_slot" (room to load the
+    missing ones without evicting), "any" (an eviction may follow), or "base" (no adapter)."""
+    if not adapters:
+        return "base"
+    stats = stats or {}
+    have = set(stats.get("resident") or ()) | set(stats.get("loading") or ())
+    missing = [a for a in adapters if a not in have and uid not in placement.get(a, ())]
+    if not missing:
+        return "held"
+    return "free_slot" if int(stats.get("free_slots") or 0) >= len(missing) else "any"
+
+
+def record_decision(adapters: list[str], stats: Mapping | None, placement: Mapping, uid: str) -> None:
+    if metrics.enabled():
+        metrics.ROUTER_DECISIONS.labels(decision(adapters, stats, placement, uid)).inc()
+
+
+# ---------------------------------------------------------------- the cluster's /metrics
+def cluster_snapshots(catalog: Any) -> list[dict]:
+    """This process's snapshot (live) and every other process's latest one from the catalog; the catalog's
+    part is skipped when it cannot be read (the scrape still gets this process)."""
+    snaps = [metrics.snapshot()]
+    try:
+        cat = catalog.get() if catalog is not None else None
+    except Exception:
+        cat = None
+    if cat is not None:
+        from app.catalog.telemetry import TelemetryBoard
+
+        try:
+            snaps += [s for s in TelemetryBoard(cat).snapshots() if s.get("process") != metrics.PROCESS]
+        except Exception as e:
+            log.info("metrics: other processes' snapshots unavailable (%s); serving this process's only", e)
+    return snaps
+
+
+class _Merged:
+    """A registry-like collector over snapshots: one family per name, each sample labelled with its process."""
+
+    def __init__(self, snaps: list[dict]):
+        self.snaps = snaps
+
+    def collect(self):
+        fams: dict[str, Metric] = {}
+        for snap in self.snaps:
+            who = snap.get("labels") or {}
+            for name, kind, doc, samples in snap.get("families", ()):
+                fam = fams.get(name)
+                if fam is None:
+                    fam = fams[name] = Metric(name, doc, kind)
+                elif fam.type != kind:
+                    continue
+                for sname, labels, value in samples:
+                    fam.add_sample(
+                        sname, {**labels, **{k: v for k, v in who.items() if k not in labels}}, value
+                    )
+        yield from fams.values()
+
+
+def exposition(snaps: list[dict]) -> bytes:
+    return generate_latest(_Merged(snaps))
+
+
+def add_metrics_route(api: FastAPI, auth: Any, catalog: Any) -> None:
+    """GET /metrics: the Prometheus text format for the whole cluster (admin token when auth is on)."""
+
+    @api.get("/metrics")
+    async def prometheus_metrics(request: Request) -> Response:
+        try:
+            auth.admin(request.headers.get("authorization"))
+        except Exception as e:
+            reply = error_reply(e)
+            return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
+        snaps = await asyncio.to_thread(cluster_snapshots, catalog)
+        return Response(exposition(snaps), media_type=CONTENT_TYPE_LATEST)
