@@ -38,6 +38,9 @@ class KernelConfig:
     # costs far more time than prefilling one.
     vtc_prompt_weight: float = 1.0
     vtc_output_weight: float = 2.0
+    # Beyond the paper: when the batch is full, a tenant behind the most-served one takes a slot from it by
+    # preempting (recompute) rather than waiting for a request to finish (app/replica/fairness.py).
+    vtc_preempt: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):  # a torch.dtype, as LLMKernel always accepted: keep its name
@@ -66,6 +69,8 @@ class KernelConfig:
             w = getattr(self, name)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {w!r}")
+        if not isinstance(self.vtc_preempt, bool):
+            raise ValueError(f"vtc_preempt must be true or false, got {self.vtc_preempt!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"

@@ -8,7 +8,7 @@ tenants that stay backlogged over any interval, their service differs by at most
 w_output * M) (L_input the longest prompt, M the most tokens a running batch holds), divided by the smaller
 weight when weights differ.
 
-The choices this implementation makes, against the paper:
+Where the paper leaves a choice open, or this engine differs from its setting:
 - Prompt tokens are charged at admission, the whole prompt at once, as the paper does (its prefill is one
   step): with chunked prefill the prompt is then computed over several steps, already paid for. A prefix-cache
   hit is charged in full too: the tenant is served the prompt either way.
@@ -22,6 +22,13 @@ The choices this implementation makes, against the paper:
 - A request whose adapter is not resident (the scheduler's `admit` hook refuses it) is skipped, and its tenant's
   next request is tried: a cold adapter blocks neither its tenant nor anyone else.
 - Tenant None (no tenant: auth off, or the admin) is one tenant, "anonymous", of weight 1 unless set.
+
+Beyond the paper, optional (`preempt=True`, KernelConfig.vtc_preempt): the paper's VTC never preempts, so a
+tenant that falls behind still waits for a running request to finish before it gets a slot, which under a flood
+of long requests is most of a request's length. With `preempt`, when every batch slot is taken, a waiting tenant
+behind the most-served running tenant by more than its head request's prompt cost takes one slot per step from
+it: that tenant's running sequence with the least computed (cheapest to recompute) is preempted by recompute.
+The margin keeps two tenants from trading a slot back and forth. Slots only, not KV memory.
 """
 
 from __future__ import annotations
@@ -42,16 +49,20 @@ _NOBODY = object()  # "no tenant has left the queue yet" (None is a tenant: the 
 
 
 class AdmissionPolicy(Protocol):
-    """What the scheduler asks of a policy; every call is on the engine thread, except `set_weights`."""
+    """What the scheduler asks of a policy; every call is on the engine thread, except `set_weights`.
 
-    def enqueued(
-        self, seq: Sequence, arrival: bool
-    ) -> None: ...  # joined the waiting queue (False: preempted)
-    def dequeued(self, seq: Sequence) -> None: ...  # left the waiting queue (admitted, aborted, failed)
-    def order(self, waiting: list[Sequence]) -> Iterator[Sequence]: ...  # candidates, in admission order
-    def admitted(self, seq: Sequence) -> None: ...  # a candidate was admitted (later picks may change)
-    def sampled(self, seq: Sequence) -> None: ...  # one output token was sampled for seq
+    enqueued: seq joined the waiting queue (arrival False: it was preempted); dequeued: it left the queue
+    (admitted, aborted, failed); order: the waiting sequences in admission order, re-read after each admission;
+    admitted: a candidate was admitted; sampled: one output token was sampled for seq; victim: the running
+    sequence a waiting seq may take the slot of, when the batch is full (None: wait)."""
+
+    def enqueued(self, seq: Sequence, arrival: bool) -> None: ...
+    def dequeued(self, seq: Sequence) -> None: ...
+    def order(self, waiting: list[Sequence]) -> Iterator[Sequence]: ...
+    def admitted(self, seq: Sequence) -> None: ...
+    def sampled(self, seq: Sequence) -> None: ...
     def set_weights(self, weights: Mapping[str | None, float]) -> None: ...
+    def victim(self, seq: Sequence, running: list[Sequence]) -> Sequence | None: ...
 
 
 class FirstComeFirstServed:
@@ -75,6 +86,9 @@ class FirstComeFirstServed:
     def set_weights(self, weights: Mapping[str | None, float]) -> None:
         pass
 
+    def victim(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
+        return None
+
 
 class VirtualTokenCounter:
     """Per-tenant counters of weighted service; see the module docstring for the rules."""
@@ -84,11 +98,13 @@ class VirtualTokenCounter:
         w_prompt: float = W_PROMPT,
         w_output: float = W_OUTPUT,
         weights: Mapping[str | None, float] | None = None,
+        preempt: bool = False,
     ):
         for name, w in (("w_prompt", w_prompt), ("w_output", w_output)):
             if not _positive(w):
                 raise ValueError(f"VTC {name} must be a positive number, got {w!r}")
         self.w_prompt, self.w_output = float(w_prompt), float(w_output)
+        self.preempt = preempt
         self.counters: dict[str | None, float] = {}
         self._weights: dict[str | None, float] = {}
         self._waiting: Counter[str | None] = Counter()  # tenant -> its requests in the waiting queue
@@ -151,6 +167,20 @@ class VirtualTokenCounter:
                 del queues[t]
             yield seq
 
+    def victim(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
+        """With `preempt`: the running sequence waiting `seq` may take the slot of, or None (see the module
+        docstring). The margin is seq's prompt cost even for a preempted seq, whose prompt is paid for."""
+        if not self.preempt:
+            return None
+        others = [r for r in running if r.tenant != seq.tenant]
+        if not others:
+            return None
+        top = max({r.tenant for r in others}, key=self.counter)
+        margin = self.w_prompt * len(seq.prompt_ids) / self.weight(seq.tenant)
+        if self.counter(seq.tenant) + margin >= self.counter(top):
+            return None
+        return min((r for r in others if r.tenant == top), key=lambda r: (r.num_computed, -r.arrival))
+
     # ------------------------------------------------------------------ charging
     def admitted(self, seq: Sequence) -> None:
         if seq.prompt_charged:  # re-admitted after preemption: its prompt was paid for
@@ -166,10 +196,10 @@ class VirtualTokenCounter:
 
 
 def make_policy(
-    name: str, w_prompt: float = W_PROMPT, w_output: float = W_OUTPUT
+    name: str, w_prompt: float = W_PROMPT, w_output: float = W_OUTPUT, preempt: bool = False
 ) -> FirstComeFirstServed | VirtualTokenCounter:
     if name == "vtc":
-        return VirtualTokenCounter(w_prompt, w_output)
+        return VirtualTokenCounter(w_prompt, w_output, preempt=preempt)
     if name == "fcfs":
         return FirstComeFirstServed()
     raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")

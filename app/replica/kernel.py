@@ -91,7 +91,9 @@ class LLMKernel:
             base_weights=BaseWeights(folder),  # DoRA adapters' factors are computed from the checkpoint
         )
         self.composition = Composition(self.adapter_manager, (self.model_id,))
-        self.fairness = make_policy(cfg.scheduling_policy, cfg.vtc_prompt_weight, cfg.vtc_output_weight)
+        self.fairness = make_policy(
+            cfg.scheduling_policy, cfg.vtc_prompt_weight, cfg.vtc_output_weight, cfg.vtc_preempt
+        )
         self.engine = Engine(
             self.model,
             self.tokenizer,

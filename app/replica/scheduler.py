@@ -46,7 +46,8 @@ class ScheduledSeq:
 @dataclass
 class Batch:
     items: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # for lack of KV blocks
+    displaced: list[Sequence] = field(default_factory=list)  # preempted by the policy for a tenant behind
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +163,9 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.config.max_num_batched_tokens
+        # 0. a full batch may give one slot to a waiting tenant that is behind (the policy's call; FCFS never)
+        if self.waiting and len(self.running) >= self.config.max_batch_size:
+            self._displace(batch)
         # 1. running sequences, oldest first; preempt the newest when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
@@ -201,6 +205,18 @@ class Scheduler:
                 batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
                 budget -= n
         return batch
+
+    def _displace(self, batch: Batch) -> None:
+        for seq in self.policy.order(self.waiting):
+            victim = self.policy.victim(seq, self.running)
+            if victim is None:
+                return  # the policy's order is most-behind first: nobody after seq is owed a slot either
+            if not self.admit(seq):
+                continue  # its adapter is not resident yet: the next candidate may be
+            self.release(seq)  # admitted for real in step 2, into the slot freed here
+            self._preempt(victim)
+            batch.displaced.append(victim)
+            return
 
     def commit(self, batch: Batch) -> None:
         """After the forward: mark the fed tokens computed, register newly filled blocks for reuse, and charge
