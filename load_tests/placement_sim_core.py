@@ -41,6 +41,10 @@ class SimConfig:
     service_s: float = 41.8  # mean time one request holds a batch slot (64 tokens at 98.1/64 tok/s)
     load_s: float = 0.069  # cold adapter load, S3 -> usable (README P5 median)
     load_workers: int = 2  # AdapterManager's loader threads
+    # Start from a running cluster: every adapter already on one replica (an even split, hottest kept when a
+    # share exceeds host_slots), as affinity routing leaves it once each adapter has been used. Without it
+    # the run starts cold and the first request for each adapter is a miss under any policy.
+    prefill: bool = True
     stats_period_s: float = 1.0  # AppConfig.routing_stats_period_s
     assignment_ttl_s: float = 30.0  # request_router.ASSIGNMENT_TTL_S
     seed: int = 0
@@ -115,6 +119,8 @@ class RouteCtx:
 
 
 class Policy(Protocol):
+    """attach() learns the cluster's state at the start (prefill, pins); the hooks report every change."""
+
     name: str
     tick_s: float | None
     last_why: int  # NA, TO_HOLDER, SPILL or NO_HOLDER for the last route() that returned a replica
@@ -159,6 +165,8 @@ class Simulation:
         self._heap: list[tuple] = []
         self._seq = 0
         self.marks: dict[str, tuple[float, list[float], list[int]]] = {}
+        if cfg.prefill:
+            self._prefill()
 
     # ------------------------------------------------------------------ replica side
     def _account(self, r: int, now: float) -> None:
@@ -222,11 +230,24 @@ class Simulation:
         self.finished += 1
         self.policy.on_ongoing(r)
 
+    def _prefill(self) -> None:
+        cfg, w = self.cfg, self.w
+        share = np.random.default_rng(cfg.seed + 2).permutation(cfg.adapters)  # ranks, dealt round-robin
+        for r in range(cfg.replicas):
+            ranks = np.sort(share[r :: cfg.replicas])[: cfg.host_slots]
+            names = [f"a{k}" for k in w.adapter_of_rank[ranks[::-1]].tolist()]  # coldest first: LRU order
+            self.host[r] = OrderedDict.fromkeys(names)
+            self.device[r] = OrderedDict.fromkeys(names[-cfg.device_slots :])
+
     def pin(self, pins: dict[int, list[str]]) -> None:
-        """Preload adapters that must never be evicted (hot-adapter replication) before the first request."""
+        """Load adapters that are never evicted (hot-adapter replication); call before the first request."""
         for r, names in pins.items():
             self.pinned[r] = frozenset(names)
-            self.policy.on_cache(r, tuple(names))
+            host = self.host[r]
+            for a in names:
+                host.pop(a, None)
+            while len(host) > max(1, self.cfg.host_slots - len(names)):
+                host.popitem(last=False)
 
     # ------------------------------------------------------------------ routing
     def _route(self, now: float, i: int, ctx: RouteCtx) -> None:

@@ -79,8 +79,8 @@ class OursPolicy(_Base):
             for a in names:
                 self.catalog.setdefault(a, []).append(self.rid[r])
         sim.pin(self.pins)
-        for r in range(R):
-            self._changed.setdefault(r, set())
+        for r in range(R):  # every replica's first stats
+            self._changed[r] = set(sim.host[r]) | sim.pinned[r]
             self._report(r)
         self._group = 0
         self._ticks = 0

@@ -19,7 +19,9 @@ def plot(rows: list[dict], path: Path) -> Path:
     alphas = sorted({r["alpha"] for r in rows})
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     by = {(r["alpha"], r["policy"]): r for r in rows}
-    fig, axes = plt.subplots(1, len(PANELS) + 1, figsize=(5 * (len(PANELS) + 1), 4.2))
+    fig, grid = plt.subplots(2, 3, figsize=(16, 8.5))
+    axes = list(grid.flat)
+    axes[-1].axis("off")  # five panels on a 2 x 3 grid
     width = 0.8 / max(1, len(policies))
     for ax, (key, title) in zip(axes, PANELS):
         for j, p in enumerate(policies):
@@ -30,7 +32,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     # Per-replica load at the middle alpha, sorted: shows where imbalance sits, not just its maximum.
-    ax, mid = axes[-1], alphas[len(alphas) // 2]
+    ax, mid = axes[len(PANELS)], alphas[len(alphas) // 2]
     for p in policies:
         if (mid, p) in by:
             ax.plot(sorted(by[(mid, p)]["replica_loads"], reverse=True), label=p)

@@ -119,6 +119,8 @@ class RayMultiplexPolicy(_Base):
         self._count = _Buckets()  # replicas by number of pushed model ids: "fewest models"
         for r in self._all:
             self._count.put(r, 0)
+            self._changed[r] = set(sim.host[r]) | sim.pinned[r]
+        self.on_tick(0.0)  # the controller already knows what a running cluster holds
 
     def on_cache(self, r: int, adapters: tuple[str, ...]) -> None:
         if adapters:
