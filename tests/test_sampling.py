@@ -122,3 +122,17 @@ def test_an_error_in_the_batched_part_is_traced_to_its_row():
     out = sample(rows, [params[0], bad, params[2]], [SamplerState() for _ in params])
     assert out[0] == want[0] and out[2] == want[2]
     assert isinstance(out[1], TypeError)
+
+
+def test_a_finite_row_whose_sum_overflows_is_not_failed():
+    x = torch.full((3, V), 3.0e38)  # finite; the row sum (the cheap check) overflows to inf
+    x[0, 5] = 3.3e38
+    x[1, 0] = math.nan
+    x[2, 3] = -math.inf
+    out = sample(
+        x,
+        [SamplingParams(temperature=0.5, seed=1), SamplingParams(), SamplingParams()],
+        [SamplerState() for _ in range(3)],
+    )
+    assert isinstance(out[0], int)
+    assert isinstance(out[1], NonFiniteLogits) and isinstance(out[2], NonFiniteLogits)

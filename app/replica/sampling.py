@@ -131,15 +131,18 @@ def sample(
     fails that row if it raises. Rows never affect each other: a failed row leaves the others' tokens, and
     their generators, exactly as they would have been without it."""
     logits = logits.float()
-    # One pass over the whole tensor finds the broken rows; argmax of a NaN row is garbage, so greedy rows
-    # are checked too.
-    bad = ~torch.isfinite(logits).all(dim=-1)
-    head = torch.stack((logits.argmax(dim=-1), bad.long())).tolist()
+    # A row sum is inf/NaN if any of its logits is (argmax of a NaN row is garbage, so greedy rows count too):
+    # one cheap pass over the whole tensor, one transfer with the argmax. Only the rows it flags are checked
+    # element by element (a finite row's sum can overflow).
+    flag = ~torch.isfinite(logits.sum(dim=-1))
+    head = torch.stack((logits.argmax(dim=-1), flag.long())).tolist()
     out: list[int | Exception] = list(head[0])
-    for i in (i for i, b in enumerate(head[1]) if b):
-        out[i] = NonFiniteLogits("non-finite logits (inf/NaN)")
+    if flagged := [i for i, f in enumerate(head[1]) if f]:
+        exact = (~torch.isfinite(logits[flagged]).all(dim=-1)).tolist()
+        for i in (i for i, b in zip(flagged, exact) if b):
+            out[i] = NonFiniteLogits("non-finite logits (inf/NaN)")
     if check is not None:
-        for i in (i for i, b in enumerate(head[1]) if not b):
+        for i in (i for i, t in enumerate(out) if not isinstance(t, Exception)):
             try:
                 check(i)
             except Exception as e:
@@ -163,13 +166,13 @@ def sample(
 def _probs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
     """Unnormalized next-token probabilities of `rows` (all finite): temperature, then top-k, then top-p."""
     dev = logits.device
-    x = logits.index_select(0, torch.tensor(rows, device=dev))
+    x = logits if len(rows) == logits.shape[0] else logits.index_select(0, torch.tensor(rows, device=dev))
     ps = [params[i] for i in rows]
-    # Numerically safe scaling: shift each row so its max is 0 before dividing, clamping the shift so it
-    # stays finite. (x - max) / t is then in [-inf, 0] for every accepted t (>= SAMPLING_EPS, finite) with
-    # an exact 0 at the max: softmax never sees inf - inf, and at least one token keeps probability 1.
-    x = (x - x.amax(dim=-1, keepdim=True)).clamp_(min=-_F32_MAX)
-    x = x / torch.tensor([p.temperature for p in ps], device=dev)[:, None]
+    # Numerically safe scaling: shift each row so its max is 0, then divide by t (kept finite in float32).
+    # (x - max) / t is in [-inf, 0] for every accepted t (>= SAMPLING_EPS) with an exact 0 at the max:
+    # softmax never sees inf - inf, nor -inf / inf, and at least one token keeps probability 1.
+    x = x - x.amax(dim=-1, keepdim=True)  # a new tensor: in place from here on
+    x.div_(torch.tensor([min(p.temperature, _F32_MAX) for p in ps], device=dev)[:, None])
     vocab = x.shape[1]
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
     if sel := [j for j, k in enumerate(ks) if k < vocab]:  # top-k rows only
