@@ -260,14 +260,16 @@ def expand(
         za = za * scale.to(B.dtype)[seg.token_slot][:, None]
     rows = max(64, EXPAND_CHUNK_BYTES // (B.shape[2] * B.element_size()))
     for c0, c1, sub in seg.chunks(rows):
-        yc = y[nb + c0 : nb + c1]
-        if base_scale is not None:  # a few elementwise ops on [rows, out], whatever the number of adapters
-            if base_bias is not None:
-                yc.sub_(base_bias)
-            yc.mul_(F.embedding(sub.token_slot, base_scale))
-            if base_bias is not None:
-                yc.add_(base_bias)
-        yc.add_(_apply(za[c0:c1], B, sub, m))
+        yc, d = y[nb + c0 : nb + c1], _apply(za[c0:c1], B, sub, m)
+        if base_scale is None:
+            yc.add_(d)
+            continue
+        # DoRA: one gather of the rows' factors and one fused y*f + d (two more without a bias), whatever the
+        # number of adapters; d is a fresh temporary, so the bias can be added to it in place
+        if base_bias is not None:
+            yc.sub_(base_bias)
+            d.add_(base_bias)
+        torch.addcmul(d, yc, F.embedding(sub.token_slot, base_scale), out=yc)
 
 
 def expand_sliced(

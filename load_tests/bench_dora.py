@@ -3,6 +3,9 @@
     python -m load_tests.bench_dora [--adapters 200] [--requests 64] [--new 64] [--repeats 3] [--quick]
 
 D1  200 DoRA q,v r16 adapters / the same with 200 plain LoRA q,v r16 adapters   (target >= 0.95)
+D1k the same at kernel level: CPU time of one LoraBatch.apply on the fused q/k/v output, 16 requests of 16
+    distinct adapters, decode (16 tokens) and prefill (16 x 128 tokens); thread CPU time, many interleaved
+    repetitions, medians: less sensitive than D1 to a machine shared with other jobs
 D2  resident bytes of a DoRA adapter's device slot / a plain one's (A, B, plus one factor vector per module)
 Also: load time of a DoRA adapter (read + its factors m / ||W + sBA|| from the checkpoint) vs a plain one.
 Both runs share one kernel, interleaved pass by pass (bench_lora.interleaved), so drifts hit both alike.
@@ -106,6 +109,47 @@ def slot_bytes(model_dir: Path, plain: dict[str, Path], dora: dict[str, Path]) -
         return tuple(m.entries[m.resolve(n)].slot[0].nbytes_per_slot() for n in names)
 
 
+def apply_cost(model_dir: Path, plain: dict[str, Path], dora: dict[str, Path], reps: int = 30) -> dict:
+    """Median thread CPU ms of LoraBatch.apply(layer 0, "qkv") for 16 distinct plain / DoRA adapters."""
+    from app.config.model_config import ModelConfig
+    from app.replica.lora.dora import BaseWeights
+    from app.replica.lora.manager import AdapterManager
+    from app.replica.lora.peft_format import read_adapter
+    from app.replica.sampling import SamplingParams
+    from app.replica.sequence import Sequence
+
+    mc = ModelConfig.from_folder(model_dir)
+    m = AdapterManager(
+        mc, max_adapters=32, max_cpu_adapters=32, dtype=torch.float32, device=torch.device("cpu"),
+        base_weights=BaseWeights(model_dir),
+    )  # fmt: skip
+    shapes = mc.linear_shapes()
+    width = shapes["q_proj"][1] + 2 * shapes["k_proj"][1]
+    out: dict[str, float] = {}
+    try:
+        batches = {}
+        for kind, group in (("lora", plain), ("dora", dora)):
+            seqs = []
+            for i, (name, path) in enumerate(list(group.items())[:16]):
+                m.register(name, 1, lambda: None, read_adapter(path, mc, name=name))
+                seqs.append(Sequence(i, [1], SamplingParams(), adapter=f"{name}@1"))
+            assert all(m.admit(s) for s in seqs)
+            seqs.sort(key=m.sort_key)
+            for phase, per in (("decode", 1), ("prefill", 128)):
+                batches[(kind, phase)] = (m.lora_batch([(s, per) for s in seqs]), 16 * per)
+        samples: dict = {k: [] for k in batches}
+        for _ in range(reps):
+            for key, (batch, T) in batches.items():  # interleaved: drifts hit both kinds alike
+                x, y = torch.randn(T, mc.hidden_size), torch.randn(T, width)
+                t = time.thread_time()
+                batch.apply(0, "qkv", x, y)
+                samples[key].append(1e3 * (time.thread_time() - t))
+        out = {f"{k}_{p}": statistics.median(v) for (k, p), v in samples.items()}
+    finally:
+        m.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
@@ -115,6 +159,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes per run; medians reported")
     ap.add_argument("--quick", action="store_true", help="16 requests x 16 new tokens, 2 passes")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--kernel-only", action="store_true", help="D1k and D2 only (no end-to-end passes)")
     a = ap.parse_args()
     if a.quick:
         a.requests, a.new, a.repeats = 16, 16, 2
@@ -132,20 +177,28 @@ def main() -> None:
     )
     n = a.requests
     runs = {"lora": pick(list(plain), n), "dora": pick(list(dora), n)}
-    samples = interleaved(model_dir, plain | dora, runs, a)
+    samples = {} if a.kernel_only else interleaved(model_dir, plain | dora, runs, a)
     t = {name: statistics.median(v) for name, v in samples.items()}
+    cost = apply_cost(model_dir, plain, dora)
     plain_b, dora_b = slot_bytes(model_dir, plain, dora)
     load_plain, load_dora = load_times(model_dir, plain, dora)
-    print(f"{'configuration':34} {'out tok/s':>10}  passes")
-    for label, key in ((f"{a.adapters} plain LoRA q,v r16", "lora"), (f"{a.adapters} DoRA q,v r16", "dora")):
-        print(f"{label:34} {t[key]:10.1f}  {' '.join(f'{x:.1f}' for x in samples[key])}")
-    print(f"D1 DoRA / LoRA throughput = {t['dora'] / t['lora']:.3f} (>= 0.95)")
+    if t:
+        print(f"{'configuration':34} {'out tok/s':>10}  passes")
+        for label, key in (
+            (f"{a.adapters} plain LoRA q,v r16", "lora"),
+            (f"{a.adapters} DoRA q,v r16", "dora"),
+        ):
+            print(f"{label:34} {t[key]:10.1f}  {' '.join(f'{x:.1f}' for x in samples[key])}")
+        print(f"D1 DoRA / LoRA throughput = {t['dora'] / t['lora']:.3f} (>= 0.95)")
+    for phase in ("decode", "prefill"):
+        lo, do = cost[f"lora_{phase}"], cost[f"dora_{phase}"]
+        print(f"D1k apply(q/k/v) CPU ms, {phase}: LoRA {lo:.3f}, DoRA {do:.3f}, DoRA/LoRA time {do / lo:.3f}")
     print(f"D2 resident bytes per slot: LoRA {plain_b}, DoRA {dora_b}, ratio {dora_b / plain_b:.4f}")
     print(f"load time per adapter (median of 8): LoRA {load_plain:.1f} ms, DoRA {load_dora:.1f} ms")
     if a.json:
         out = {"threads": torch.get_num_threads(), "adapters": a.adapters, "repeats": a.repeats, "tok_s": t}
         out |= {"samples": samples, "slot_bytes": {"lora": plain_b, "dora": dora_b}}
-        out |= {"load_ms": {"lora": load_plain, "dora": load_dora}}
+        out |= {"load_ms": {"lora": load_plain, "dora": load_dora}, "apply_cpu_ms": cost}
         a.json.write_text(json.dumps(out, indent=1))
 
 
