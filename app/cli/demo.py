@@ -151,13 +151,20 @@ def usage_lines(base: str) -> str:
             "",
             f"Models: {SERVED_NAME} (the base: copies its input), {', '.join(ADAPTER_TASKS)}, chains like "
             "'reverse|upper', merges like 'reverse*1.0+upper*1.0'. Inputs: lowercase words.",
+            f"Status page (a browser on this machine): {base}/status",
+            f"Prometheus metrics: {base}/metrics (deploy/prometheus.yml scrapes it)",
             "Ctrl-C stops the server, Ray and the private Redis.",
         ]
     )
 
 
-def _start_stack(stack: ExitStack, assets: Path, redis_url: str | None, host: str, port: int) -> str:
-    """Start Redis (unless given), Ray and the Serve app; register their shutdown on `stack`. Returns the URL."""
+def start_stack(stack: ExitStack, assets: Path, redis_url: str | None, host: str, port: int) -> str:
+    """Start Redis (unless given), Ray and the Serve app on `assets` (base/ + adapters/); register their shutdown
+    on `stack`. Returns the URL. Nothing it starts sends a packet off the machine (app/cli/local_only.py), so it
+    runs in the host's network namespace: the printed commands work from any terminal on the machine."""
+    from app.cli.local_only import local_only
+
+    keep_local = local_only()  # before Ray is imported (it reads some of these once) and before ray.init
     import ray
     from ray import serve
 
@@ -188,6 +195,7 @@ def _start_stack(stack: ExitStack, assets: Path, redis_url: str | None, host: st
         include_dashboard=False,
         num_cpus=max(os.cpu_count() or 1, 2),
         log_to_driver=False,
+        **keep_local,
     )
     stack.callback(ray.shutdown)
     stack.callback(serve.shutdown)
@@ -210,7 +218,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         # Ctrl-C while Ray starts must still unwind the stack: a handler that only sets a flag would not.
         redis_url = args.redis
-        base = _start_stack(stack, assets, redis_url, args.host, args.port)
+        base = start_stack(stack, assets, redis_url, args.host, args.port)
         with _http(base) as client:
             _wait_ready(client)
             _register_adapters(client, ADAPTER_TASKS)

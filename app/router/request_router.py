@@ -96,8 +96,9 @@ class AdapterAffinityRouter(RequestRouter):
         replica = self._replicas.get(replica_id)
         needed = adapters_of(model_id) if model_id else []
         # Classified on what this router knew before this request (its own memory is updated below).
-        stats = getattr(replica, "routing_stats", None)
-        record_decision(needed, stats, self._recent_placement(), replica_id.unique_id)
+        if pending_request.metadata.call_method == "generate":  # not admin calls (inspect_adapter)
+            stats = getattr(replica, "routing_stats", None)
+            record_decision(needed, stats, self._recent_placement(), replica_id.unique_id)
         if not model_id:
             return
         now = time.time()
