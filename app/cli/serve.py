@@ -172,6 +172,12 @@ def _serve(args: argparse.Namespace) -> int:
             args.host,
             args.port,
         )
+        # One scrape target for the whole cluster (every process's metrics, merged: app/router/metrics.py).
+        where = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        where = f"[{where}]" if ":" in where else where
+        auth = "" if cfg.no_auth else " (Authorization: Bearer $LORALAND_ADMIN_TOKEN)"
+        print(f"metrics: http://{where}:{args.port}/metrics{auth}", flush=True)
+        print(f"status: http://{where}:{args.port}/status", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
