@@ -44,8 +44,14 @@ class OursPolicy(_Base):
         pins: dict[int, list[str]] | None = None,
         name: str = "ours",
         prune_k: int | None = None,
+        warm_s: float | None = None,
     ) -> None:
         self.policy = policy or placement.PlacementPolicy()
+        # warm_s set: a holder is passed over for load only for adapters requested within warm_s before, whose
+        # new copy will be used again; a rare adapter stays on its holder until that is full.
+        self.warm_s = warm_s
+        self._cold_policy = placement.PlacementPolicy(1.0, self.policy.overload_kv, self.policy.max_per_tier)
+        self._last_seen: dict[str, float] = {}
         self.exact, self.pins, self.name = exact, pins or {}, name
         m = self.policy.max_per_tier
         self.k = prune_k or 3 * m
@@ -93,11 +99,17 @@ class OursPolicy(_Base):
         self.key_sum += key - self._all.key.get(r, 0)
         self._all.put(r, key)
 
-    def _call_policy(self) -> placement.PlacementPolicy:
-        """The policy for this call; one that bounds load by the cluster mean gets the mean (see the proposal)."""
-        at_mean = getattr(self.policy, "at_mean_load", None)
+    def _call_policy(self, now: float, adapter: str) -> placement.PlacementPolicy:
+        """The policy for this call: per adapter heat with warm_s; one bounding load by the mean gets the mean."""
+        policy = self.policy
+        if self.warm_s is not None:
+            last = self._last_seen.get(adapter)
+            self._last_seen[adapter] = now
+            if last is None or now - last > self.warm_s:
+                policy = self._cold_policy
+        at_mean = getattr(policy, "at_mean_load", None)
         if at_mean is None:
-            return self.policy
+            return policy
         return at_mean(self.key_sum / (self.sim.cfg.replicas * self.sim.cfg.max_ongoing))
 
     def _report(self, r: int) -> None:
@@ -178,9 +190,9 @@ class OursPolicy(_Base):
                 return best
         return None
 
-    def full_call(self, adapter: str, known: list[str]) -> list[list[str]]:
+    def full_call(self, adapter: str, known: list[str], policy: placement.PlacementPolicy) -> list[list[str]]:
         views = [self.view(r) for r in range(self.sim.cfg.replicas)]
-        return placement.rank_replicas([adapter], views, {adapter: known}, self._call_policy())
+        return placement.rank_replicas([adapter], views, {adapter: known}, policy)
 
     def route(self, now: float, ctx: RouteCtx, adapter: str) -> int | None:
         cand = set(self.holders.get(adapter, ()))
@@ -194,16 +206,18 @@ class OursPolicy(_Base):
             known.extend(rid[r] for r in w)
             cand.update(w)
         self.calls += 1
-        r = self._decide(adapter, cand, known)
+        r = self._decide(adapter, cand, known, self._call_policy(now, adapter))
         held = cand
         self.last_why = NO_HOLDER if not held else TO_HOLDER if r in held else SPILL
         return r
 
-    def _decide(self, adapter: str, held: set[int], known: list[str]) -> int | None:
+    def _decide(
+        self, adapter: str, held: set[int], known: list[str], policy: placement.PlacementPolicy
+    ) -> int | None:
         if self.exact:
             self.full_calls += 1
-            return self._select(self.full_call(adapter, known))
-        m, key, policy = self.policy.max_per_tier, self._all.key, self._call_policy()
+            return self._select(self.full_call(adapter, known, policy))
+        m, key = self.policy.max_per_tier, self._all.key
         # The hit tier is the m least-loaded holders. Ranked alone, they come back first exactly when that
         # tier is not empty (none of them overloaded), and then the full call's first tier is the same list.
         top = heapq.nsmallest(m, held, key=lambda r: (key[r], r)) if len(held) > m else list(held)
@@ -225,7 +239,7 @@ class OursPolicy(_Base):
             if r is not None:
                 return r
         self.full_calls += 1
-        return self._select(self.full_call(adapter, known))
+        return self._select(self.full_call(adapter, known, policy))
 
     def full_call_cost_s(self, samples: int = 200) -> float:
         """Seconds one rank_replicas call over every replica takes (what the real router pays per request)."""
@@ -233,7 +247,7 @@ class OursPolicy(_Base):
         t0 = time.perf_counter()
         for a in names:
             self.views = [None] * self.sim.cfg.replicas  # the router builds every view per call
-            self.full_call(a, [])
+            self.full_call(a, [], self.policy)
         return (time.perf_counter() - t0) / max(1, len(names))
 
 

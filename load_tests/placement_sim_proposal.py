@@ -1,14 +1,17 @@
-"""A candidate change to app/router/placement.py, run through the unchanged `rank_replicas` as a subclass
-(`--policies ours_bounded`). Tried and not recommended: it balances load (max/mean ~1.13) but spills more
-requests to non-holders, so more cold loads than today's policy and several times Ray's.
+"""The change to app/router/placement.py this simulator recommends, run through the unchanged
+`rank_replicas` (policy `proposed`; the diff is in the issue-17 report).
 
-Today a holder stops being preferred at an absolute load (`overload_load`, 0.9). Near that utilization most
-holders cross it often and every crossing becomes a cold load elsewhere; well below it, one holder of a hot
-adapter can run at 0.9 while the mean is 0.6 (max/mean 1.5). Consistent hashing with bounded loads
-(Mirrokni, Thorup, Zadimoghaddam, SODA 2018) bounds a holder relative to the mean instead: it stays preferred
-while its load is below `balance` x the cluster's mean load plus one request. In placement.py the mean would
-be computed inside rank_replicas from its views (all replicas in the router); the simulator passes the same
-mean through `at_mean_load` because it hands rank_replicas a pruned candidate list.
+Today a holder is passed over once its load reaches `overload_load` (0.9), whatever the adapter. With ~1,000
+adapters per replica, most requests are for adapters seen once in minutes: passing their holder over costs
+a cold load for a copy that is never used again, and moves no load for good (the holder stays busy and the
+next rare adapter spills too). The proposal:
+1. warm adapters (routed within the router's 30 s memory, so a new copy will be used again) pass a holder
+   over at `balance` x the cluster's mean load + 1 request: consistent hashing with bounded loads
+   (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), which keeps max/mean near `balance` at any utilization;
+2. other adapters stay on their holder until it is full (the `warm_s` option of OursPolicy picks a policy
+   with overload_load 1.0 for them).
+In placement.py the mean would be computed inside rank_replicas from its views (all replicas in the router);
+the simulator passes the same mean through `at_mean_load` because it ranks a pruned candidate list.
 """
 
 from __future__ import annotations
