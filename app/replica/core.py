@@ -294,8 +294,12 @@ class ReplicaCore:
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 kw = dict(sampling)
-                if n > 1 and kw.get("seed") is not None:
-                    kw["seed"] = kw["seed"] + j  # same seed for every choice would repeat one answer n times
+                if n > 1 and isinstance(kw.get("seed"), int):
+                    # Same seed for every choice would repeat one answer n times; wrap within signed 64 bits so
+                    # a valid seed near the top of the range stays valid (an out-of-range one is still refused).
+                    s = kw["seed"]
+                    if -(2**63) <= s < 2**63:
+                        kw["seed"] = (s + j + 2**63) % 2**64 - 2**63
                 # kernel.generate is an async generator: nothing runs (or fails) until a pump iterates it, so
                 # a bad prompt's error comes out of the queue like any other.
                 streams.append((i * n + j, self.kernel.generate(prompt, adapter, tenant=tenant, **kw)))
