@@ -80,6 +80,14 @@ class AdapterRegistry(CatalogConnection):
                 versions += [int(v) for v in pipe.execute()]
         return versions
 
+    @guard
+    def next_version(self, name: str) -> int:
+        """The version register(name) would give now (REGISTER's rule: the counter, never a live version);
+        another registration may take it first. `loraland adapters push` names the upload's folder with it."""
+        counter = int(self._r.hget(self._k("versions"), check_name(name)) or 0)
+        latest = int(self._r.hget(self._k("adapter", name), "latest") or 0)
+        return max(counter, latest) + 1
+
     def _register_keys(self, name: str) -> list[str]:
         return [self._k("adapter", name), self._k("adapters"), self._k("versions"), self._k("tenants")]
 

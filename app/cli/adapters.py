@@ -28,11 +28,21 @@ def register(subparsers: Any) -> None:
 
     adapters = subparsers.add_parser("adapters", help="push, register, list, show, remove and pin adapters")
     a = adapters.add_subparsers(dest="action", metavar="ACTION", required=True)
-    p = a.add_parser("push", parents=[owner, js], help="validate DIR, upload it to S3 and register it")
+    p = a.add_parser(
+        "push",
+        parents=[owner, js],
+        help="validate DIR, upload it to S3 as NAME's next version and register it",
+        description="Each version goes under its own prefix below the root: s3://BUCKET/PREFIX/NAME/vN/ (N: the "
+        "version the catalog gives it), so pushing version 2 needs no new --to.",
+    )
     p.add_argument("name")
     p.add_argument("dir", type=Path)
-    p.add_argument("--to", required=True, metavar="s3://BUCKET/PREFIX", help="where to upload the files")
-    p.add_argument("--overwrite", action="store_true", help="replace different files already at the prefix")
+    p.add_argument(
+        "--to", required=True, metavar="s3://BUCKET/PREFIX", help="the root under which NAME/vN/ is written"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace different files already at NAME/vN/ (a failed push)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no upload progress bar")
     p.set_defaults(func=cmd_push)
     p = a.add_parser(
@@ -40,6 +50,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("name")
     p.add_argument("uri")
+    p.add_argument("--no-progress", action="store_true", help="no download progress bar")
     p.set_defaults(func=cmd_register)
     p = a.add_parser("list", parents=[js], help="the newest version of every adapter")
     p.add_argument("--tenant", help="only the adapters this tenant may use (its own and public ones)")
@@ -101,7 +112,7 @@ def _inspect(folder: Path, model: str | None, max_rank: int) -> tuple[dict, dict
 
 def _register_record(
     args: argparse.Namespace, catalog: Any, uri: str, summary: dict, base: dict, files: dict
-) -> int:
+) -> Any:
     record = catalog.register(
         args.name,
         uri,
@@ -121,7 +132,7 @@ def _register_record(
         print(
             f"registered {record.ref}: {record.uri} (rank {record.rank}, {len(files)} files, {human_size(record.size)})"
         )
-    return 0
+    return record
 
 
 def _check_owner(args: argparse.Namespace, catalog: Any) -> None:
@@ -142,15 +153,23 @@ def cmd_push(args: argparse.Namespace) -> int:
 
     catalog = catalog_from_args(args)  # fail before uploading anything if the catalog is unreachable
     _check_owner(args, catalog)
-    bucket, prefix = parse_s3_uri(args.to)
-    uri = f"s3://{bucket}/{prefix}"
+    bucket, root = parse_s3_uri(args.to)
     summary, base = _inspect(args.dir, args.model, args.max_rank)
+    version = catalog.next_version(args.name)
+    uri = f"s3://{bucket}/{root}/{args.name}/v{version}"
     hub = AdapterHub(catalog=catalog)
     progress = not (args.no_progress or args.json)
     files = hub.upload(
         args.dir, uri, progress=progress, files=sorted(summary["files"]), overwrite=args.overwrite
     )
-    return _register_record(args, catalog, uri, summary, base, files)
+    record = _register_record(args, catalog, uri, summary, base, files)
+    if record.version != version:  # another push of NAME registered between our look and ours
+        print(
+            f"loraland: note: registered as version {record.version}; its files are at {uri} (the version "
+            "number when the upload started)",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def cmd_register(args: argparse.Namespace) -> int:
@@ -161,11 +180,13 @@ def cmd_register(args: argparse.Namespace) -> int:
     uri = args.uri
     if not uri.startswith(("s3://", "hf://")):  # a local folder: record it absolute
         uri = str(Path(uri[len("file://") :] if uri.startswith("file://") else uri).expanduser().resolve())
-    folder = AdapterHub(catalog=catalog).fetch(uri)
+    progress = not (args.no_progress or args.json)
+    folder = AdapterHub(catalog=catalog).fetch(uri, progress=progress)
     if uri.startswith("hf://") and "@" not in uri and folder.parent.name == "snapshots":
         uri = f"{uri}@{folder.name}"  # pin the commit: the branch may move, the recorded sha256s would not
     summary, base = _inspect(folder, args.model, args.max_rank)
-    return _register_record(args, catalog, uri, summary, base, dict(summary["files"]))
+    _register_record(args, catalog, uri, summary, base, dict(summary["files"]))
+    return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:

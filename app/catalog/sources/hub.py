@@ -74,15 +74,25 @@ class AdapterHub:
 
     # ----------------------------------------------------------------- by URI
 
-    def fetch(self, uri: str, *, files: dict[str, str] | None = None, untrusted: bool = False) -> Path:
-        """The local folder for a source URI, with every file in `files` checked against its sha256."""
+    def fetch(
+        self,
+        uri: str,
+        *,
+        files: dict[str, str] | None = None,
+        untrusted: bool = False,
+        progress: bool = False,
+    ) -> Path:
+        """The local folder for a source URI, with every file in `files` checked against its sha256. `progress`:
+        a progress bar on stderr for S3 downloads (the Hub's own bars show for hf://)."""
         if not isinstance(uri, str) or not uri:
             raise InvalidRequest("adapter source must be a non-empty string")
         for rel in files or {}:
             safe_relpath(rel, where=uri, error=InvalidAdapter)
         limit = self.settings.max_adapter_bytes
         if uri.startswith("s3://"):
-            return s3.fetch(uri, files, cache=self.cache, settings=self.settings.s3, max_bytes=limit)
+            return s3.fetch(
+                uri, files, cache=self.cache, settings=self.settings.s3, max_bytes=limit, progress=progress
+            )
         if uri.startswith("hf://"):
             return hf.fetch(uri, files, max_bytes=limit)
         if uri.startswith("file://") or "://" not in uri:

@@ -66,9 +66,16 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 def fetch(
-    uri: str, files: dict[str, str] | None, *, cache: DiskCache, settings: S3Settings, max_bytes: int
+    uri: str,
+    files: dict[str, str] | None,
+    *,
+    cache: DiskCache,
+    settings: S3Settings,
+    max_bytes: int,
+    progress: bool = False,
 ) -> Path:
-    """The cached folder for `uri`, downloading what is not cached; with `files`, every sha256 checked."""
+    """The cached folder for `uri`, downloading what is not cached; with `files`, every sha256 checked.
+    `progress`: a progress bar on stderr while downloading (the CLI's)."""
     bucket, prefix = parse_s3_uri(uri)
     if files:
         key = "sha-" + manifest_sha256(files)[:40]
@@ -91,11 +98,17 @@ def fetch(
             return hit[0]
         check_size(uri, sum(o.size for o in found.values()), max_bytes)
         wanted = {rel: o.key for rel, o in found.items()}
-    with cache.staging() as tmp:
+    from tqdm import tqdm
+
+    total = None if files else sum(o.size for o in found.values())
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"download {uri}", disable=not progress, file=sys.stderr
+    )
+    with cache.staging() as tmp, bar:
         left, got, etags = max_bytes, {}, {}
         for rel, obj_key in sorted(wanted.items()):
             got[rel], n, etags[rel] = s3_api.download(
-                client, bucket, obj_key, tmp / rel, limit=left, cap=max_bytes, uri=uri
+                client, bucket, obj_key, tmp / rel, limit=left, cap=max_bytes, uri=uri, progress=bar.update
             )
             left -= n
             if files and got[rel] != files[rel]:  # hashed while downloading: no second read

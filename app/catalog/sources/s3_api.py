@@ -141,10 +141,18 @@ def list_objects(s3: Any, bucket: str, prefix: str, uri: str) -> dict[str, S3Obj
 
 
 def download(
-    s3: Any, bucket: str, key: str, dest: Path, *, limit: int, cap: int, uri: str
+    s3: Any,
+    bucket: str,
+    key: str,
+    dest: Path,
+    *,
+    limit: int,
+    cap: int,
+    uri: str,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[str, int, str]:
     """Stream one object to dest, hashing as it goes; refuses to write more than `limit` bytes (what is left of
-    the adapter's `cap`). -> (sha256, bytes, etag)."""
+    the adapter's `cap`); `progress(n)` after each chunk of n bytes. -> (sha256, bytes, etag)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     h, n = hashlib.sha256(), 0
     try:
@@ -165,6 +173,8 @@ def download(
                     )
                 h.update(chunk)
                 f.write(chunk)
+                if progress is not None:
+                    progress(len(chunk))
     except InvalidAdapter:
         raise
     except Exception as e:
