@@ -11,6 +11,13 @@ from app.config.kernel_config import KernelConfig
 from app.config.metrics_config import MetricsConfig
 
 ROUTER_KEYS = frozenset({"overload_load", "overload_kv", "max_per_tier", "assignment_ttl_s"})
+# Ray Serve 2.60's AutoscalingConfig fields (ray.serve.config); Serve validates the values again at deploy.
+AUTOSCALING_KEYS = frozenset(
+    {"min_replicas", "initial_replicas", "max_replicas", "target_ongoing_requests", "metrics_interval_s",
+     "look_back_period_s", "smoothing_factor", "upscale_smoothing_factor", "downscale_smoothing_factor",
+     "upscaling_factor", "downscaling_factor", "downscale_delay_s", "downscale_to_zero_delay_s",
+     "upscale_delay_s", "aggregation_function", "policy"}
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,12 @@ class AppConfig:
     # The kernel's options; YAML and `serve run` give a dict (only the keys they set), turned into this.
     kernel: KernelConfig = field(default_factory=KernelConfig)
     router: dict[str, Any] = field(default_factory=dict)
+    # Serve autoscaling of the replicas on queue length (requests running + queued per replica), e.g.
+    # {min_replicas: 1, max_replicas: 8, target_ongoing_requests: 16}; None: a fixed `replicas`.
+    autoscaling: dict[str, Any] | None = None
+    # Adapters a new replica loads before it takes traffic (pinned ones, then those most replicas hold), so a
+    # scale-up or a replacement does not meet its first requests with a storm of cold loads. 0: none.
+    warm_adapters: int = 8
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # a mapping in YAML: app/config/metrics_config.py
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 10.0
@@ -88,6 +101,11 @@ class AppConfig:
                 object.__setattr__(self, "metrics", MetricsConfig.from_options(self.metrics))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"metrics: {e}") from None
+        if self.autoscaling is not None:
+            _check_autoscaling(self.autoscaling)
+        warm = self.warm_adapters
+        if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
+            raise ValueError(f"warm_adapters: must be an integer >= 0, got {self.warm_adapters!r}")
         bad = sorted(set(self.router) - ROUTER_KEYS)
         if bad:
             raise ValueError(f"router: unknown keys {bad}; the router accepts {sorted(ROUTER_KEYS)}")
@@ -120,6 +138,23 @@ class AppConfig:
         if unknown:
             raise ValueError(f"unknown application args {unknown}; known: {sorted(known)}")
         return cls(**d)
+
+
+def _check_autoscaling(a: Any) -> None:
+    if not isinstance(a, dict):
+        raise ValueError(f"autoscaling: a mapping of Serve autoscaling_config keys, got {type(a).__name__}")
+    bad = sorted(set(a) - AUTOSCALING_KEYS)
+    if bad:
+        raise ValueError(f"autoscaling: unknown keys {bad}; Serve accepts {sorted(AUTOSCALING_KEYS)}")
+    lo, hi = a.get("min_replicas", 1), a.get("max_replicas", 1)
+    for name, v in (("min_replicas", lo), ("max_replicas", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"autoscaling.{name}: must be an integer >= 0, got {v!r}")
+    if hi < max(1, lo):
+        raise ValueError(f"autoscaling.max_replicas ({hi}) must be >= min_replicas ({lo}) and >= 1")
+    target = a.get("target_ongoing_requests", 2)
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or target <= 0:
+        raise ValueError(f"autoscaling.target_ongoing_requests: must be > 0, got {target!r}")
 
 
 def coerce_args(args: dict[str, Any]) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class ReplicaCore:
         self._threads: list[threading.Thread] = []
         self._unsubscribe = None
         self._tenant_weights: dict[str, float] | None = None  # what the kernel was last given
+        self._reconciled = time.monotonic()  # last pass of the TTL fallback for missed catalog events
         self._gauges = replica_metrics.ReplicaGauges(self)  # read when /metrics or a snapshot collects
         metrics.REGISTRY.register(self._gauges)
         self._metrics: Any = None  # the snapshot publisher, once started
@@ -123,6 +124,30 @@ class ReplicaCore:
             extra={"device_resident": s["device_resident"], "running": s["running"], **self.extra},
         )
         self.sync_tenant_weights()
+        if time.monotonic() - self._reconciled >= self.cfg.heartbeat_ttl_s:
+            self._reconciled = time.monotonic()
+            self.reconcile()
+
+    def reconcile(self) -> None:
+        """Unload held adapters whose record is gone: the fallback when a "removed" event was missed."""
+        from app.replica.warmup import stale_refs
+
+        try:
+            for ref in stale_refs(self.catalog, self._held):
+                name, _, version = ref.rpartition("@")
+                log.info("adapter %s is no longer in the catalog; unloading it", ref)
+                self._on_event({"type": "removed", "name": name, "version": int(version)})
+        except Exception as e:
+            log.warning("catalog reconciliation failed (%s); retrying in %ss", e, self.cfg.heartbeat_ttl_s)
+
+    async def warm_up(self) -> list[str]:
+        """Load the catalog's hottest adapters (cfg.warm_adapters, at most the device slots) before traffic."""
+        from app.replica.warmup import warm_up
+
+        limit = min(self.cfg.warm_adapters, int(self.kernel.config.max_adapters))
+        warmed = await warm_up(self, limit) if self.catalog is not None else []
+        self.extra["warmed"] = warmed  # in the heartbeats: what this replica loaded before its first request
+        return warmed
 
     def sync_tenant_weights(self) -> None:
         """Fair shares from the catalog's tenant records (`weight`, 1 when absent); a bad value keeps the old."""

@@ -52,9 +52,14 @@ def make_replica_deployment(cfg: AppConfig):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    # Serve refuses num_replicas next to autoscaling_config: one or the other.
+    scale: dict[str, Any] = (
+        {"autoscaling_config": dict(cfg.autoscaling)} if cfg.autoscaling else {"num_replicas": cfg.replicas}
+    )
+
     @serve.deployment(
         name="LoraReplica",
-        num_replicas=cfg.replicas,
+        **scale,
         ray_actor_options={"num_cpus": cfg.replica_num_cpus, "num_gpus": cfg.replica_num_gpus},
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
@@ -69,7 +74,8 @@ def make_replica_deployment(cfg: AppConfig):
         graceful_shutdown_timeout_s=5.0,
     )
     class LoraReplica:
-        def __init__(self, config: dict):
+        async def __init__(self, config: dict):
+            import ray
             import torch
 
             _log_info_to_stderr()
@@ -77,10 +83,16 @@ def make_replica_deployment(cfg: AppConfig):
             rid = ctx.replica_id
             cfg = AppConfig.from_dict(config)
             torch.set_num_threads(cfg.threads)
+            node = {
+                "node_ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+            }
             self.core = ReplicaCore(
-                cfg, rid.unique_id, extra={"actor_name": rid.to_full_id_str(), "threads": cfg.threads}
+                cfg, rid.unique_id, extra={"actor_name": rid.to_full_id_str(), "threads": cfg.threads, **node}
             )
             self.core.start()
+            # Serve routes to a replica only once its constructor returns: the hot adapters load first.
+            await self.core.warm_up()
 
         async def generate(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
             async for item in self.core.generate(request):
