@@ -1,0 +1,172 @@
+"""Metrics overhead on workload W (issue 14): output tokens/s over HTTP with metrics on vs off.
+
+    python -m load_tests.bench_metrics [--pairs 3] [--adapters 10] [--out load_tests/results/bench_metrics.json]
+
+The stack is the in-process one (tests/fixtures/served_stack.py's shape): the FastAPI ingress over a ReplicaCore
+on the TinyLlama-width 2-layer bench model, served by uvicorn, with a real redis-server as the catalog, so every
+metric of both sides is paid in the measured process: the ingress's per-request records (outcome, tokens,
+TTFT/TPOT/e2e, top-K labels), the replica's load records and gauges, a snapshot published to the catalog every
+`publish_s`, and a scrape of GET /metrics every second (five times the shipped Prometheus config's rate).
+Workload W: 64 concurrent streaming requests x 128 prompt tokens x 64 output tokens (ignore_eos), each on a
+random one of N rank-16 q,v adapters, through load_tests/client.py (bench_serving's client).
+
+ON and OFF passes alternate on the same warm server (OFF: metrics.configure(enabled=False), no publisher, no
+scraper), after one untimed warm-up pass, so drift on a shared machine falls on both alike; each pass draws its
+own prompts (no prefix-cache reuse between passes). Reported: every pass's output tok/s and the ratio of the
+medians, on/off (the issue's bar: >= 0.98).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from load_tests import client as cl
+from load_tests import stats
+from load_tests.bench_lora import CACHE, build_bench_adapters
+from load_tests.models import build_bench_model
+from load_tests.workload import build_workload, parse_length, parse_popularity
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class Stack:
+    def __init__(self, n_adapters: int):
+        import uvicorn
+
+        from app.catalog.redis_server import free_port, start_redis
+        from app.catalog.store import Catalog
+        from app.config.app_config import AppConfig
+        from app.replica.deployment import LocalBackend, ReplicaCore
+        from app.replica.lora.peft_format import adapter_summary
+        from app.router.auth import Authenticator
+        from app.router.ingress import build_api
+        from app.router.service import CatalogProxy, IngressService
+        from loraland import LLMKernel
+
+        model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
+        store = CACHE / "bench-adapters" / "qv-r16"
+        folders = build_bench_adapters(
+            model_dir, store, n_adapters, r=16, targets=("q_proj", "v_proj"), prefix="qv"
+        )
+        self.redis_url, self._stop_redis = start_redis()
+        self.catalog = Catalog(self.redis_url)
+        kernel_opts = {"max_adapters": 64, "max_batch_size": 64, "max_num_batched_tokens": 4096}
+        self.cfg = AppConfig(model=str(model_dir), served_model_name="bench", redis_url=self.redis_url,
+                             no_auth=True, kernel=kernel_opts)  # fmt: skip
+        self.kernel = LLMKernel(model_dir, self.cfg.kernel)
+        self.names = sorted(folders)[:n_adapters]
+        for name in self.names:
+            info = adapter_summary(folders[name])
+            self.catalog.register(
+                name, str(folders[name]), files=info["files"], size=info["size"], rank=info["rank"],
+                alpha=info["alpha"], target_modules=info["target_modules"],
+                base_model=self.kernel.model_config.identity(), public=True,
+            )  # fmt: skip
+        self.core = ReplicaCore(self.cfg, "bench-0", kernel=self.kernel, catalog=self.catalog)
+        self.core.start()  # heartbeats; the metrics publisher is switched per pass below
+        proxy = CatalogProxy(self.redis_url, self.catalog)
+        self.api = build_api(
+            IngressService(self.cfg, LocalBackend(self.core), proxy), Authenticator(proxy, None, no_auth=True)
+        )
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.api, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        threading.Thread(target=self.server.run, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def metrics(self, on: bool) -> None:
+        from app import metrics
+        from app.catalog.telemetry import Publisher
+        from app.config.metrics_config import MetricsConfig
+
+        if self.core._metrics is not None:
+            self.core._metrics.stop()
+            self.core._metrics = None
+        metrics.configure(MetricsConfig(enabled=on))
+        if on:
+            self.core._metrics = Publisher(lambda: self.catalog, MetricsConfig().publish_s).start()
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.core.close()
+        self.catalog.close()
+        self._stop_redis()
+
+
+def _scraper(base: str, stop: threading.Event, period_s: float = 1.0) -> threading.Thread:
+    def run() -> None:
+        with httpx.Client(base_url=base, timeout=30, trust_env=False) as c:
+            while not stop.wait(period_s):
+                c.get("/metrics")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def one_pass(stack: Stack, a: argparse.Namespace, salt: str) -> float:
+    specs = build_workload(
+        base="bench", adapters=stack.names, popularity=parse_popularity("uniform"), num_requests=a.requests,
+        prompt_len=parse_length(str(a.prompt_len)), output_len=parse_length(str(a.output_len)),
+        seed=a.seed, prompt_salt=salt,
+    )  # fmt: skip
+    cfg = cl.ClientConfig(f"{stack.base}/v1", stream=True)
+    records, duration = asyncio.run(cl.run_requests(cfg, specs, a.requests))
+    failed = [r for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0].error_kind} {failed[0].error_detail}")
+    return stats.summarize(records, duration)["output_tokens_per_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m load_tests.bench_metrics", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--pairs", type=int, default=3, help="ON/OFF pass pairs (default 3)")
+    ap.add_argument("--adapters", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS / "bench_metrics.json")
+    a = ap.parse_args(argv)
+    stack = Stack(a.adapters)
+    runs: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        stack.metrics(True)
+        print(f"warm-up: {one_pass(stack, a, 'warmup'):.1f} output tok/s", flush=True)
+        for i in range(a.pairs):
+            for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):  # ABBA: no order bias
+                stack.metrics(mode == "on")
+                stop = threading.Event()
+                scraper = _scraper(stack.base, stop) if mode == "on" else None
+                tps = one_pass(stack, a, f"{i}-{mode}")
+                stop.set()
+                if scraper is not None:
+                    scraper.join(timeout=10)
+                runs[mode].append(tps)
+                print(f"pass {i} metrics {mode:>3}: {tps:.1f} output tok/s", flush=True)
+    finally:
+        stack.close()
+    on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
+    result = {"workload": vars(a) | {"out": str(a.out)}, "passes": runs, "median_on": on, "median_off": off,
+              "ratio_on_off": on / off}  # fmt: skip
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2))
+    print(f"metrics on / off: {on:.1f} / {off:.1f} output tok/s = {on / off:.3f} (median of {a.pairs} each)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
