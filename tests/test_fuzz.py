@@ -35,6 +35,10 @@ CRASHES = {
         {"exclude_modules": [5]},
         "read_adapter and check_adapter: TypeError at peft_config.py (_name_matches)",
     ),
+    "layers_to_transform-empty-string": (
+        {"layers_to_transform": ""},
+        "read_adapter: TypeError at peft_config.py (targets, `int in ''`)",
+    ),
     "layers_to_transform-float": (
         {"layers_to_transform": 1.5},
         "read_adapter: TypeError at peft_config.py (targets, iterating a float)",
