@@ -33,6 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.catalog.redis_server import free_port, start_redis
+from deploy.processes import (
+    boost_priority,
+    end_pids,
+    pids_with_marker,
+    refresh_ray_auth,
+    send_signal,
+    set_autogroup_nice,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).with_name("ray")
@@ -44,31 +52,6 @@ FAST_FAILURE_DETECTION = {
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "3",
 }
-
-
-def refresh_ray_auth() -> None:
-    if "ray" not in sys.modules:  # nothing cached yet: Ray reads the environment when it loads
-        return
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
-def _set_autogroup_nice(pid: int | str, nice: int) -> None:
-    """Linux schedules each session (autogroup) as one unit, so a process's own nice value cannot lift a node
-    that runs in its own session: the session's weight is set through /proc instead (needs root for < 0)."""
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-    except OSError:  # no autogroups here, or not root: start at normal priority
-        pass
-
-
-def _boost_priority() -> None:
-    """Startup only (undone once the node is up): the raylet aborts the node when its dashboard agent has not
-    written its port file within a fixed 15 s (Ray 2.60 ignores agent_register_timeout_ms there), and on a
-    machine shared by busy processes the agent's imports alone can take longer."""
-    _set_autogroup_nice("self", -10)
 
 
 @dataclass(frozen=True)
@@ -284,7 +267,7 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # killing the node never touches the caller's process group
                 cwd=REPO,
-                preexec_fn=_boost_priority,
+                preexec_fn=boost_priority,
             )
         node = Node(spec, proc, log, cache_dir, launched=time.monotonic(), log_offset=offset)
         self.nodes[spec.name] = node
@@ -308,7 +291,7 @@ class LocalCluster:
     # ------------------------------------------------------------------ processes
     def _unboost(self, node: Node) -> None:
         """Back to normal priority once the node is up (the whole session: workers started later too)."""
-        _set_autogroup_nice(node.proc.pid, 0)
+        set_autogroup_nice(node.proc.pid, 0)
 
     def _pids(self, node: Node) -> set[int]:
         """Every process of one node: the `ray start` tree, plus any that outlived their parent (found by the
@@ -328,7 +311,7 @@ class LocalCluster:
         Returns how many processes were killed."""
         node = self.nodes[name]
         pids = self._pids(node)
-        _signal(pids, signal.SIGKILL)
+        send_signal(pids, signal.SIGKILL)
         node.proc.wait(timeout=10)
         return len(pids)
 
@@ -360,47 +343,14 @@ class LocalCluster:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------- processes by marker
-def pids_with_marker(marker: str) -> set[int]:
-    """PIDs whose command line holds `marker`, a path only one cluster uses (its temp dir), never this one."""
-    import psutil
-
-    pids = set()
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if any(marker in arg for arg in (p.info["cmdline"] or ())):
-                pids.add(p.info["pid"])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    pids.discard(os.getpid())
-    return pids
-
-
-def _signal(pids: set[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def end_pids(pids: set[int], grace_s: float = 10.0, again=None) -> None:
-    """SIGTERM, up to grace_s for them to exit, then SIGKILL to what is left (and to `again()`'s PIDs)."""
-    import psutil
-
-    _signal(pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.2)
-    left = {p for p in pids if psutil.pid_exists(p)} | (again() if again else set())
-    _signal(left, signal.SIGKILL)
-
-
 # ---------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deploy.local_cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["up", "run", "stop-marked"])
-    p.add_argument("--marker", help="stop-marked: end the processes whose command line holds this path")
+    p.add_argument(
+        "--marker",
+        help="stop-marked (give it before the command): end the processes whose command line holds this",
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--worker-cpus", type=int, default=4)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="for `run`: the command after --")

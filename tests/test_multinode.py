@@ -23,7 +23,7 @@ from app.config.app_config import AppConfig
 from app.router.ingress import REPLICA_HEADER
 from deploy.cluster_app import running_replicas, serve_on, shutdown, wait_for
 from deploy.local_cluster import LocalCluster, default_nodes
-from tests.fixtures.cluster import PROMPTS, Reference, push, tenant_key, tiny_adapters
+from tests.fixtures.cluster import PROMPTS, Reference, mixed_load, push, tenant_key, tiny_adapters
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -183,64 +183,33 @@ def test_worker_killed_mid_load_loses_no_request(env):
     victims = {rid for rid, info in before.items() if info.extra.get("node_ip") == "127.0.0.3"}
     assert len(victims) == 1
     n, streamed_every = 200, 8
-    outcome = {"ok": 0, "wrong": 0, "lost": 0, "stream_ok": 0, "stream_error_event": 0}
-    errors: list[str] = []
-    done = [0]
     dropped_after: list[float] = []
+    t_kill: list[float] = []
 
-    def watch_placement(t_kill: float) -> None:
-        while time.monotonic() - t_kill < 30:
+    def watch_placement() -> None:
+        while time.monotonic() - t_kill[0] < 30:
             if not victims & set(env.catalog.replicas()):
-                dropped_after.append(time.monotonic() - t_kill)
+                dropped_after.append(time.monotonic() - t_kill[0])
                 return
             time.sleep(0.1)
 
-    async def traffic() -> float:
-        sem = asyncio.Semaphore(16)
-        t_kill = [0.0]
-        async with env.client() as client:
-
-            async def one(i: int) -> None:
-                model = (ADAPTERS + ["tiny-llama"])[i % (len(ADAPTERS) + 1)]
-                prompt, max_tokens = PROMPTS[i % len(PROMPTS)], 8 + (i % 3) * 4
-                expected = env.ref.text(prompt, None if model == "tiny-llama" else model, max_tokens)
-                async with sem:
-                    try:
-                        if i % streamed_every == 0:
-                            stream = await client.completions.create(
-                                model=model, prompt=prompt, max_tokens=max_tokens, stream=True
-                            )
-                            text = "".join([c.choices[0].text async for c in stream if c.choices])
-                            outcome["stream_ok" if text == expected else "wrong"] += 1
-                        else:
-                            text, _ = await complete(client, model, prompt, max_tokens)
-                            outcome["ok" if text == expected else "wrong"] += 1
-                    except openai.APIError as e:
-                        code = (e.body or {}).get("code") if isinstance(e.body, dict) else None
-                        if i % streamed_every == 0 and code == "replica_unavailable":
-                            outcome["stream_error_event"] += 1  # a stream that had started: clear error event
-                        else:
-                            outcome["lost"] += 1
-                            errors.append(f"{model}: {type(e).__name__} {e}")
-                    done[0] += 1
-
-            async def kill_mid_load() -> None:
-                while done[0] < n // 5:
-                    await asyncio.sleep(0.05)
-                t_kill[0] = time.monotonic()
-                killed_pids = env.cluster.kill_node("worker2")
-                print(f"\nkilled worker2 ({killed_pids} processes) after {done[0]} of {n} requests")
-                threading.Thread(target=watch_placement, args=(t_kill[0],), daemon=True).start()
-
-            await asyncio.gather(kill_mid_load(), *(one(i) for i in range(n)))
-        return t_kill[0]
+    def kill_mid_load(done: int) -> None:
+        if done == n // 5 and not t_kill:  # a fifth answered, the rest queued or in flight on both workers
+            t_kill.append(time.monotonic())
+            print(
+                f"\nkilled worker2 ({env.cluster.kill_node('worker2')} processes) after {done} of {n} requests"
+            )
+            threading.Thread(target=watch_placement, daemon=True).start()
 
     t0 = time.monotonic()
-    t_kill = asyncio.run(traffic())
+    outcome, errors = asyncio.run(
+        mixed_load(env.base, env.key, env.ref, [*ADAPTERS, "tiny-llama"], n, streamed_every=streamed_every,
+                   on_done=kill_mid_load)
+    )  # fmt: skip
     print(f"node loss: {outcome} in {time.monotonic() - t0:.1f}s; errors: {errors[:3]}")
     assert outcome["lost"] == 0 and outcome["wrong"] == 0, (outcome, errors[:5])
-    sent_plain = n - n // streamed_every
-    assert outcome["ok"] == sent_plain
+    assert outcome["ok"] == n - len(range(0, n, streamed_every))
+    kill_at = t_kill[0]
 
     wait_for(lambda: dropped_after, TTL_S + 10, "the dead replica to leave the placement")
     print(f"dead replica left the placement {dropped_after[0]:.2f}s after the kill (TTL {TTL_S}s)")
@@ -251,7 +220,7 @@ def test_worker_killed_mid_load_loses_no_request(env):
     wait_for(
         lambda: running_replicas() == 2 and len(env.catalog.replicas()) == 2, 180, "a replacement replica"
     )
-    print(f"replacement running {time.monotonic() - t_kill:.1f}s after the kill")
+    print(f"replacement running {time.monotonic() - kill_at:.1f}s after the kill")
     after = env.catalog.replicas()
     (new_id,) = set(after) - set(before)
     new = after[new_id]
