@@ -97,7 +97,17 @@ def main() -> None:
     )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument(
+        "--gemm",
+        default="auto",
+        choices=["auto", "aten", "onednn", "mkl"],
+        help="our linears on CPU: auto (measured per shape and M, app/replica/linear.py) or one kernel for all",
+    )
     a = ap.parse_args()
+    if a.gemm != "auto":
+        from app.replica.linear import GemmTuner, TunerConfig, set_default_tuner
+
+        set_default_tuner(GemmTuner(None, TunerConfig(candidates=(a.gemm,))))
     model_dir = build_bench_model(CACHE)
     print(
         f"workload: {a.requests} x {a.prompt_len} prompt + {a.new} new tokens, threads={torch.get_num_threads()}, "

@@ -3,7 +3,10 @@
 No padding to the longest sequence: prefill chunks and decode tokens sit side by side in one [T] batch.
 K/V go into the paged cache through `slot_mapping`; attention reads them back through block tables.
 q/k/v and gate/up are fused into one matmul each; LoRA deltas are added to the fused outputs by the
-`lora` object of the batch (None = base model only).
+`lora` object of the batch (None = base model only). Every linear is a PackedLinear (app/replica/linear.py): on
+CPU its weight is prepacked at load for the GEMM kernel measured fastest at each batch size. Around the GEMMs the
+work is in place where HF's rounding allows it (residual adds, rotary on q/k inside the fused qkv output,
+SiLU*up), so fp32 greedy output matches HF transformers.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from safetensors import safe_open
 
 from app.config.model_config import ModelConfig
 from app.replica.kv_cache import KVCache
+from app.replica.linear import KERNELS, GemmTuner, PackedLinear, Plan, default_tuner, plain_linear
 
 
 class LoraHook(Protocol):
@@ -99,15 +103,22 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # HF's ops in HF's order (composite on CPU), with fewer temporaries
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    return w * xf.to(x.dtype)  # HF rounds to the model dtype before the weight multiply
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary in place on x [T, heads, d] (cos/sin [T, 1, d/2]): HF's x*cos + rotate_half(x)*sin, the same
+    products and sums (no fused multiply-add), without the concatenated copy."""
     half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    x2_sin = x2 * sin
+    x1_sin = x1 * sin
+    x1.mul_(cos).sub_(x2_sin)
+    x2.mul_(cos).add_(x1_sin)
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
@@ -128,9 +139,36 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     return out
 
 
+# rows a linear sees per step: lm_head only the sampled positions (at most one per running sequence)
+MAX_ROWS = 4096
+MAX_SAMPLED_ROWS = 256
+
+
 class Model:
-    def __init__(self, folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    """`gemm` picks the linear kernels on CPU: "auto" (measured per shape and batch size, plans cached on disk
+    by default_tuner), a GemmTuner, or one kernel for every linear and batch size ("aten" is plain F.linear,
+    the unpacked path; "onednn", "mkl"). CUDA always runs F.linear."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        gemm: str | GemmTuner = "auto",
+    ):
         self.cfg, self.dtype, self.device = config, dtype, device
+        if isinstance(gemm, str) and gemm != "auto" and gemm not in KERNELS:
+            raise ValueError(f"gemm {gemm!r} is not supported: use 'auto' or one of {list(KERNELS)}")
+        tuner = (default_tuner() if gemm == "auto" else gemm) if device.type == "cpu" else None
+
+        def linear(w: torch.Tensor, b: torch.Tensor | None = None, rows: int = MAX_ROWS) -> PackedLinear:
+            if tuner is None:
+                return plain_linear(w, b)
+            if isinstance(tuner, str):
+                return PackedLinear(w, b, Plan.fixed(tuner))
+            return PackedLinear(w, b, tuner.plan(w, b, rows))
+
         folder = Path(folder)
         files = _weight_files(folder)
         handles: dict[Path, object] = {}
@@ -154,7 +192,7 @@ class Model:
             )
         self.norm = get("model.norm.weight")
         lm = get("lm_head.weight", required=not c.tie_word_embeddings)
-        self.lm_head = self.embed if lm is None else lm
+        self.lm_head = linear(self.embed if lm is None else lm, rows=MAX_SAMPLED_ROWS)
         qkv_bias = c.family == "qwen2" or c.attention_bias
         o_bias = c.family != "qwen2" and c.attention_bias
         self.layers = []
@@ -165,12 +203,15 @@ class Model:
             layer = {
                 "ln1": get(p + "input_layernorm.weight"),
                 "ln2": get(p + "post_attention_layernorm.weight"),
-                "qkv": torch.cat([q, k, v]),
-                "qkv_b": torch.cat([get(a + f"{m}_proj.bias") for m in "qkv"]) if qkv_bias else None,
-                "o": get(a + "o_proj.weight"),
-                "o_b": get(a + "o_proj.bias") if o_bias else None,
-                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                "down": get(p + "mlp.down_proj.weight"),
+                "qkv": linear(
+                    torch.cat([q, k, v]),
+                    torch.cat([get(a + f"{m}_proj.bias") for m in "qkv"]) if qkv_bias else None,
+                ),
+                "o": linear(get(a + "o_proj.weight"), get(a + "o_proj.bias") if o_bias else None),
+                "gate_up": linear(
+                    torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+                ),
+                "down": linear(get(p + "mlp.down_proj.weight")),
             }
             self.layers.append(layer)
         handles.clear()
@@ -179,61 +220,78 @@ class Model:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
+    def linears(self) -> list[PackedLinear]:
+        return [self.lm_head] + [
+            v for layer in self.layers for v in layer.values() if isinstance(v, PackedLinear)
+        ]
+
     def nbytes(self) -> int:
-        ts = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
-        ts += [t for layer in self.layers for t in layer.values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in ts)
+        ts = {id(t): t for t in (self.embed, self.norm)}
+        ts |= {id(t): t for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor)}
+        for lin in self.linears():
+            ts |= {id(t): t for t in lin.tensors()}  # a tied lm_head run by aten is the embedding itself
+        return sum(t.numel() * t.element_size() for t in ts.values())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim / 2]: HF's cat((freqs, freqs)) repeats the same half."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attn_scaling).to(self.dtype)[:, None, :]
-        sin = (emb.sin() * self.attn_scaling).to(self.dtype)[:, None, :]
+        cos = (freqs.cos() * self.attn_scaling).to(self.dtype)[:, None, :]
+        sin = (freqs.sin() * self.attn_scaling).to(self.dtype)[:, None, :]
         return cos, sin
 
     @torch.inference_mode()
     def forward(self, b: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Returns float32 logits [len(b.logits_idx), vocab]."""
         c = self.cfg
-        T = b.input_ids.shape[0]
-        h = F.embedding(b.input_ids, self.embed)
+        H, Hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        qs, ks = self.q_size, self.kv_size
+        h = F.embedding(b.input_ids, self.embed)  # a fresh tensor: the residual stream is updated in place
         cos, sin = self._rope(b.positions)
+        lora = b.lora
         for li, L in enumerate(self.layers):
             x = _rms_norm(h, L["ln1"], c.rms_norm_eps)
-            qkv = F.linear(x, L["qkv"], L["qkv_b"])
-            if b.lora is not None:
-                b.lora.apply(li, "qkv", x, qkv)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _rotate(q.view(T, c.num_heads, c.head_dim), cos, sin)
-            k = _rotate(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.reshape(T, c.num_kv_heads, c.head_dim)
+            qkv = L["qkv"](x)
+            if lora is not None:
+                lora.apply(li, "qkv", x, qkv)
+            _rotate_(qkv[:, : qs + ks].unflatten(1, (H + Hkv, d)), cos, sin)  # q and k heads in one pass
+            q = qkv[:, :qs].unflatten(1, (H, d))
+            k = qkv[:, qs : qs + ks].unflatten(1, (Hkv, d))
+            v = qkv[:, qs + ks :].unflatten(1, (Hkv, d))
             kc, vc = kv.k[li], kv.v[li]
-            kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, b.slot_mapping, k)
-            vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, b.slot_mapping, v)
-            attn = self._attention(q, b, kc, vc)
-            o = F.linear(attn, L["o"], L["o_b"])
-            if b.lora is not None:
-                b.lora.apply(li, "o", attn, o)
-            h = h + o
+            kc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, k)
+            vc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, v)
+            attn = self._attention(q, k, v, b, kc, vc)
+            o = L["o"](attn)
+            if lora is not None:
+                lora.apply(li, "o", attn, o)
+            h.add_(o)
             x = _rms_norm(h, L["ln2"], c.rms_norm_eps)
-            gu = F.linear(x, L["gate_up"])
-            if b.lora is not None:
-                b.lora.apply(li, "gate_up", x, gu)
+            gu = L["gate_up"](x)
+            if lora is not None:
+                lora.apply(li, "gate_up", x, gu)
             g, u = gu.chunk(2, dim=-1)
-            m = F.silu(g) * u
-            d = F.linear(m, L["down"])
-            if b.lora is not None:
-                b.lora.apply(li, "down", m, d)
-            h = h + d
+            m = F.silu(g).mul_(u)
+            dn = L["down"](m)
+            if lora is not None:
+                lora.apply(li, "down", m, dn)
+            h.add_(dn)
         h = _rms_norm(h.index_select(0, b.logits_idx), self.norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
     def _attention(
-        self, q: torch.Tensor, b: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        b: ForwardBatch,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
     ) -> torch.Tensor:
+        """q [T, H, d], k/v [T, Hkv, d] of this step (already in the cache too). SDPA gets 4-D inputs: 3-D
+        ones with enable_gqa fall back to the unfused math path on CPU (~10x slower)."""
         c = self.cfg
         T = q.shape[0]
-        out = torch.empty(T, c.num_heads * c.head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(T, c.num_heads, c.head_dim, dtype=q.dtype, device=q.device)
         win = c.sliding_window
         if b.decode_idx is not None:
             bt = b.decode_block_tables
@@ -249,12 +307,18 @@ class Model:
             o = F.scaled_dot_product_attention(
                 qd, keys, vals, attn_mask=mask[:, None, None, :], enable_gqa=True
             )
-            out.index_copy_(0, b.decode_idx, o.reshape(o.shape[0], -1))
+            out.index_copy_(0, b.decode_idx, o.squeeze(2))
         for p in b.prefills:
             n = p.token_idx.shape[0]
-            keys = kc.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx_len].transpose(0, 1)
-            vals = vc.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx_len].transpose(0, 1)
-            qp = q.index_select(0, p.token_idx).transpose(0, 1)  # [H, n, d]
+            t0 = int(p.token_idx[0])
+            # the batch builder lays a chunk's tokens side by side: slice instead of gather/scatter
+            rows = slice(t0, t0 + n) if int(p.token_idx[-1]) == t0 + n - 1 else p.token_idx
+            qp = q[rows].transpose(0, 1)[None]  # [1, H, n, d]
+            if p.ctx_len == n:  # the whole sequence is this chunk: its K/V are the ones just computed
+                keys, vals = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            else:
+                keys = kc.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx_len].transpose(0, 1)[None]
+                vals = vc.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx_len].transpose(0, 1)[None]
             if p.ctx_len == n and win is None:
                 o = F.scaled_dot_product_attention(qp, keys, vals, is_causal=True, enable_gqa=True)
             else:
@@ -264,5 +328,5 @@ class Model:
                 if win is not None:
                     mask &= kpos > qpos - win
                 o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, enable_gqa=True)
-            out.index_copy_(0, p.token_idx, o.transpose(0, 1).reshape(n, -1))
-        return out
+            out[rows] = o[0].transpose(0, 1)
+        return out.flatten(1)
