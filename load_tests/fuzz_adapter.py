@@ -19,8 +19,10 @@ wrong in ways the safetensors writer would never produce). See fuzz_runner.py fo
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -253,9 +255,13 @@ def load() -> None:
     _T.update(model=ModelConfig.from_dict(TINY), read=peft_format.read_adapter, error=LoraLandError,
               summary=peft_format.adapter_summary, check=check_adapter)  # fmt: skip
     GOOD_WEIGHTS = GOOD_WEIGHTS or good_weights()
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-    _FOLDER = Path(tempfile.mkdtemp(prefix="loraland-fuzz-adapter-", dir=base)) / "adapter"
+    scratch = os.environ.get(fuzz_runner.SCRATCH_ENV)  # the runner's (in memory, removed when it ends)
+    if scratch:
+        _FOLDER = Path(scratch) / f"adapter-{os.getpid()}"
+    else:  # a test replaying inputs in its own process
+        top = tempfile.mkdtemp(prefix="loraland-fuzz-adapter-")
+        atexit.register(shutil.rmtree, top, ignore_errors=True)
+        _FOLDER = Path(top) / "adapter"
     _FOLDER.mkdir()
     # One good adapter through every reader first: torch and safetensors import lazily, and an import that
     # takes seconds on a busy machine must not count against the first input's timeout.

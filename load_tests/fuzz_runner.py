@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CRASH_LOG = "crashes.jsonl"
+SCRATCH_ENV = (
+    "LORALAND_FUZZ_SCRATCH"  # a folder the target may write inputs to (in /dev/shm when there is one)
+)
 _STATS = re.compile(r"stat::number_of_executed_units:\s*(\d+)")
 _DONE = re.compile(r"^#(\d+)\s", re.M)
 _ARTIFACT = re.compile(r"Test unit written to (\S+)")
@@ -148,6 +152,15 @@ def main(
         worker(args)
         return 0
     work = Path(tempfile.mkdtemp(prefix="loraland-fuzz-"))
+    shm = Path("/dev/shm")
+    scratch = tempfile.mkdtemp(prefix="loraland-fuzz-", dir=shm if os.access(shm, os.W_OK) else work)
+    try:
+        return _run(module, args, seeds, work, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(module: str, args: argparse.Namespace, seeds, work: Path, scratch: str) -> int:
     args.corpus = args.corpus or work / "corpus"
     args.artifacts = (args.artifacts or work / "artifacts").resolve()
     args.artifacts.mkdir(parents=True, exist_ok=True)
@@ -161,7 +174,8 @@ def main(
         cmd += ["--stop-on-crash"] * args.stop_on_crash + ["--no-instrument"] * args.no_instrument
         log = work / f"worker-{done}.log"
         with open(log, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=os.getcwd()).returncode
+            env = {**os.environ, SCRATCH_ENV: scratch}
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=os.getcwd(), env=env).returncode
         text = log.read_text(errors="replace")
         ran = _executions(text)
         done += ran
