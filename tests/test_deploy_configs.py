@@ -134,3 +134,20 @@ def test_a_new_replica_warms_hot_adapters_and_reconciles_lost_removals(catalog_e
         assert core.held_refs()[0] == ["hot@2"]
     finally:
         core.close()
+
+
+def test_loraland_serve_autoscaling_and_warm_flags():
+    from app.cli import build_parser
+    from app.cli.serve import config_from_args
+
+    args = build_parser().parse_args(
+        ["serve", "--model", "/m", "--replicas", "2", "--max-replicas", "6", "--target-ongoing", "8",
+         "--warm-adapters", "3", "--replica-gpus", "0", "--ray-address", "127.0.0.1:6379"]
+    )  # fmt: skip
+    cfg = config_from_args(args, "redis://127.0.0.1:1/0")
+    assert cfg.autoscaling == {"min_replicas": 2, "max_replicas": 6, "target_ongoing_requests": 8.0}
+    assert cfg.warm_adapters == 3 and args.ray_address == "127.0.0.1:6379"
+    plain = config_from_args(
+        build_parser().parse_args(["serve", "--model", "/m", "--replica-gpus", "0"]), None
+    )
+    assert plain.autoscaling is None and plain.warm_adapters == 8

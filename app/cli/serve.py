@@ -1,5 +1,7 @@
 """`loraland serve`: start a local Ray (and a private Redis unless one is given), deploy the app, serve until
-Ctrl-C, then stop them all. `deploy` and `env_for_workers` also start `loraland demo` (demo.py)."""
+Ctrl-C, then stop them all; or, with --ray-address, deploy onto a running cluster (`ray up`, or
+deploy/local_cluster.py) and remove only the app on exit. --max-replicas autoscales the replicas. `deploy` and
+`env_for_workers` also start `loraland demo` (demo.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,31 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="Hugging Face model folder or Hub id")
     p.add_argument("--served-model-name", default=None, help="the id clients use for the base model")
     p.add_argument("--replicas", type=int, default=1, help="model replicas (each one LLMKernel)")
+    p.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="autoscale between --replicas and this many replicas on queue length (Serve autoscaling)",
+    )
+    p.add_argument(
+        "--target-ongoing",
+        type=float,
+        default=16.0,
+        help="with --max-replicas: requests running + queued per replica that Serve scales toward",
+    )
+    p.add_argument(
+        "--warm-adapters",
+        type=int,
+        default=None,
+        help="hot adapters a new replica loads before taking traffic (default 8; 0: none)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="deploy onto this running Ray cluster (its token in RAY_AUTH_TOKEN) instead of starting one; "
+        "on exit only the app is removed",
+    )
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     # dest differs from the top-level `loraland --redis` so neither parser's default overwrites the other.
@@ -93,10 +120,21 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> AppConfig:
     store = args.adapter_store
     if store and not store.startswith(("s3://", "hf://")):
         store = str(Path(store).expanduser().resolve())
+    scaling = getattr(args, "max_replicas", None)
+    extra: dict[str, Any] = {}
+    if scaling is not None:
+        extra["autoscaling"] = {
+            "min_replicas": args.replicas,
+            "max_replicas": scaling,
+            "target_ongoing_requests": args.target_ongoing,
+        }
+    if getattr(args, "warm_adapters", None) is not None:
+        extra["warm_adapters"] = args.warm_adapters
     return AppConfig(
         model=args.model,
         served_model_name=args.served_model_name,
         replicas=args.replicas,
+        **extra,
         replica_num_cpus=args.replica_cpus
         if args.replica_cpus is not None
         else max(1.0, float((os.cpu_count() or 1) // args.replicas)),
@@ -156,15 +194,21 @@ def _serve(args: argparse.Namespace) -> int:
             log.warning(
                 "LORALAND_ADMIN_TOKEN is not set: the admin routes (/v1/adapters, /v1/placement) are off"
             )
-        # Logical CPUs are scheduling tokens: make sure the requested replicas fit on a small machine.
-        needed = math.ceil(cfg.replicas * cfg.replica_num_cpus + cfg.ingress_replicas * cfg.ingress_num_cpus)
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, needed),
-            runtime_env={"env_vars": env_for_workers(cfg)},
-            include_dashboard=False,
-        )
-        stack.callback(ray.shutdown)
-        stack.callback(serve.shutdown)
+        if args.ray_address:  # someone else's cluster: join it, and on exit take away only this app
+            ray.init(address=args.ray_address, runtime_env={"env_vars": env_for_workers(cfg)})
+            stack.callback(ray.shutdown)
+            stack.callback(serve.delete, APP_NAME)
+        else:
+            # Logical CPUs are scheduling tokens: make sure the requested replicas fit on a small machine.
+            most = (cfg.autoscaling or {}).get("max_replicas", cfg.replicas)
+            needed = math.ceil(most * cfg.replica_num_cpus + cfg.ingress_replicas * cfg.ingress_num_cpus)
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, needed),
+                runtime_env={"env_vars": env_for_workers(cfg)},
+                include_dashboard=False,
+            )
+            stack.callback(ray.shutdown)
+            stack.callback(serve.shutdown)
         deploy(cfg, host=args.host, port=args.port)
         log.info(
             "LoRA-Land is serving %s at http://%s:%d/v1 (Ctrl-C to stop)",
