@@ -136,14 +136,14 @@ def test_push_list_show_version_pin_rm_and_tenants(cli, env, bucket, tmp_path, m
     out = cli("tenants", "create", "globex").stdout
     assert "shown only now" in out and "ll-" in out
 
-    push = cli("adapters", "push", "acme/sql", str(v1), "--to", f"s3://{bucket}/acme/sql/v1", "--tenant", "acme",
+    push = cli("adapters", "push", "acme/sql", str(v1), "--to", f"s3://{bucket}/root", "--tenant", "acme",
                "--model", str(model))  # fmt: skip
     assert "registered acme/sql@1" in push.stdout and "upload" in push.stderr  # the progress bar
     listed = cli.json("adapters", "list")
     assert len(listed) == 1
     rec = listed[0]
     assert {k: rec[k] for k in ("name", "version", "uri", "rank", "tenant")} == {
-        "name": "acme/sql", "version": 1, "uri": f"s3://{bucket}/acme/sql/v1", "rank": 4, "tenant": "acme",
+        "name": "acme/sql", "version": 1, "uri": f"s3://{bucket}/root/acme/sql/v1", "rank": 4, "tenant": "acme",
     }  # fmt: skip
     assert len(rec["sha256"]) == 64 and rec["files"] == hash_folder(v1, sorted(rec["files"]))
     assert rec["base_model"] == {"architecture": "LlamaForCausalLM", "hidden_size": 64, "num_layers": 2}
@@ -155,12 +155,12 @@ def test_push_list_show_version_pin_rm_and_tenants(cli, env, bucket, tmp_path, m
     ]
 
     # A new version: the plain name follows it, @1 still addresses the old one.
-    assert cli.json("adapters", "push", "acme/sql", str(v2), "--to", f"s3://{bucket}/acme/sql/v2", "--tenant",
+    assert cli.json("adapters", "push", "acme/sql", str(v2), "--to", f"s3://{bucket}/root", "--tenant",
                     "acme", "--model", str(model), "--no-progress")["version"] == 2  # fmt: skip
     shown = cli.json("adapters", "show", "acme/sql")
     assert (shown["version"], shown["rank"], shown["versions"]) == (2, 8, [1, 2])
     human = cli("adapters", "show", "acme/sql@1").stdout
-    assert human.split("uri:")[1].split()[0] == f"s3://{bucket}/acme/sql/v1"
+    assert human.split("uri:")[1].split()[0] == f"s3://{bucket}/root/acme/sql/v1"
     assert "version:" in human and "file adapter_model.safetensors:" in human
     # The registered files really are what a replica fetches.
     for k, v in env.items():
@@ -209,7 +209,7 @@ def test_register_existing_uris_and_validate(cli_inproc, bucket, tmp_path):
     rec = cli.json("adapters", "register", "local-one", str(local), "--public", "--model", str(model))
     assert rec["uri"] == str(local.resolve()) and rec["public"] is True and rec["tenant"] is None
     cli("adapters", "push", "pushed", str(local), "--to", f"s3://{bucket}/p", "--no-progress")
-    rec = cli.json("adapters", "register", "again", f"s3://{bucket}/p")
+    rec = cli.json("adapters", "register", "again", f"s3://{bucket}/p/pushed/v1")
     assert rec["files"] == cli.json("adapters", "show", "pushed")["files"] and rec["base_model"] == {}
 
     ok = cli.json("adapters", "validate", str(local), "--model", str(model))
