@@ -12,8 +12,9 @@ Policies (same replicas, same request stream, same seed):
   view_from_stats themselves (load_tests/placement_sim_ours.py explains the exact candidate pruning);
 - proposed: the same call with the change load_tests/placement_sim_proposal.py describes (bounded loads for
   adapters the router routed within its 30 s memory, holders kept until full for the others);
-- with --policies: ours_hot / proposed_hot (the hottest adapters also pinned on several replicas,
-  placement_sim_ours.hot_pins), ours_bounded (bounded loads for every adapter);
+- proposed_hot: proposed plus hot-adapter replication: adapters hotter than half a replica pinned on
+  several replicas (placement_sim_ours.hot_pins); with --policies also ours_hot (pins with today's policy)
+  and ours_bounded (bounded loads for every adapter);
 - ray_multiplex: Ray Serve 2.60.0 (wheel commit b7f4259e944bf6959f721b106adc366ddfa0c356), rewritten from
   python/ray/serve/_private/request_router/pow_2_router.py (PowerOfTwoChoicesRequestRouter.choose_replicas),
   python/ray/serve/_private/request_router/request_router.py (MultiplexMixin.apply_multiplex_routing,
@@ -74,9 +75,9 @@ from load_tests.placement_sim_ours import OursPolicy, hot_pins
 from load_tests.placement_sim_policies import Pow2Policy, RandomPolicy, RayMultiplexPolicy
 from load_tests.placement_sim_proposal import BoundedLoadPolicy
 
-POLICIES = ("ours", "proposed", "ray_multiplex", "pow2", "random")
-# Also tried (--policies): hot-adapter pins with today's policy and with the proposal, bounded loads alone.
-MORE_POLICIES = ("ours_hot", "proposed_hot", "ours_bounded")
+POLICIES = ("ours", "proposed", "proposed_hot", "ray_multiplex", "pow2", "random")
+# Also tried (--policies): hot-adapter pins with today's policy, bounded loads for every adapter.
+MORE_POLICIES = ("ours_hot", "ours_bounded")
 RESULTS = Path(__file__).parent / "results"
 GOAL_HIT, GOAL_BALANCE, GOAL_FEWER_COLD = 0.95, 1.2, 0.30
 

@@ -30,6 +30,8 @@ def plot(rows: list[dict], path: Path) -> Path:
             ax.bar(xs, ys, width, label=p)
         ax.set_xticks(range(len(alphas)), [f"α={a}" for a in alphas])
         ax.set_title(title)
+        if key == "cold_loads_per_s":
+            ax.set_yscale("log")  # oblivious policies load ~100x more: a linear axis hides the rest
     axes[0].legend(fontsize=8)
     # Per-replica load at the middle alpha, sorted: shows where imbalance sits, not just its maximum.
     ax, mid = axes[len(PANELS)], alphas[len(alphas) // 2]
