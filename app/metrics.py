@@ -21,8 +21,7 @@ import uuid
 from collections import OrderedDict, deque
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-
+from app import metrics_core as mc
 from app.config.metrics_config import MetricsConfig
 
 OTHER = "(other)"  # adapters or tenants beyond the top K
@@ -31,9 +30,9 @@ NONE = "(none)"  # not known: a request refused before its adapter or tenant was
 # Parentheses cannot occur in adapter or tenant names (app/names.py), so these never collide with a real one.
 
 PROCESS = uuid.uuid4().hex  # this process, in its snapshots: the ingress never merges its own twice
-# No describe-on-register: each ReplicaCore in a process registers its gauges (tests run several), and
-# a describe would read a kernel that may still be starting.
-REGISTRY = CollectorRegistry(auto_describe=False)
+FAMILIES: list[mc._Family] = []  # recorded as things happen
+# Read when a snapshot is taken: callables returning snapshot families (a replica's gauges from its kernel).
+COLLECTORS: list = []
 _config = MetricsConfig()
 _identity: dict[str, str] = {}  # labels naming this process in the cluster view, e.g. {"replica": "abc"}
 
@@ -85,12 +84,14 @@ class TopK:
         return value
 
 
-def _h(name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
-    return Histogram(name, doc, labels, buckets=buckets, registry=REGISTRY)
+def _h(name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> mc._Family:
+    FAMILIES.append(mc.histogram(name, doc, labels, buckets))
+    return FAMILIES[-1]
 
 
-def _c(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-    return Counter(name, doc, labels, registry=REGISTRY)
+def _c(name: str, doc: str, labels: tuple[str, ...] = ()) -> mc._Family:
+    FAMILIES.append(mc.counter(name, doc, labels))
+    return FAMILIES[-1]
 
 
 # ---------------------------------------------------------------- the ingress: one request's outcome and timing
@@ -158,16 +159,7 @@ _TENANT_METRICS = (REQUESTS, PROMPT_TOKENS, COMPLETION_TOKENS)
 def _drop(metrics: tuple, label: str, value: str) -> None:
     """Remove every series whose `label` is `value` (a demoted adapter or tenant)."""
     for m in metrics:
-        if label not in m._labelnames:
-            continue
-        i = m._labelnames.index(label)
-        with m._lock:
-            keys = [key for key in m._metrics if key[i] == value]
-        for key in keys:
-            try:
-                m.remove(*key)
-            except KeyError:  # removed meanwhile
-                pass
+        m.remove_where(label, value)
 
 
 adapters = TopK(_config.top_adapters, on_demote=lambda v: _drop(_ADAPTER_METRICS, "adapter", v))
@@ -240,12 +232,11 @@ def used(adapter: str) -> None:
 
 
 def snapshot() -> dict[str, Any]:
-    """Everything this process reports, JSON-ready: its metric families (without `_created` samples), its
-    identity labels, recent events and adapter use. What it publishes, and what the ingress reads live."""
-    families = []
-    for fam in REGISTRY.collect():
-        samples = [[s.name, s.labels, s.value] for s in fam.samples if not s.name.endswith("_created")]
-        families.append([fam.name, fam.type, fam.documentation, samples])
+    """Everything this process reports, JSON-ready: its metric families (app/metrics_core.py's snapshot form),
+    its identity labels, recent events and adapter use. What it publishes, and what the ingress reads live."""
+    families = [f.snapshot() for f in FAMILIES]
+    for collect in list(COLLECTORS):
+        families.extend(collect())
     with _side_lock:
         events, last_used = list(_events), dict(_last_used)
     return {

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from app import metrics
+from app import metrics_core as mc
 from app.catalog.redis_server import free_port
 from app.router.metrics import decision
 from tests.fixtures.served_stack import ADMIN, REPLICA, ServedStack
@@ -30,32 +30,30 @@ pytestmark = pytest.mark.timeout(300)
 
 
 # ---------------------------------------------------------------- bounded labels
+def _values(family) -> set[str]:
+    return {values[0] for values, _ in family.snapshot()[4]}
+
+
 def test_a_million_adapters_cannot_blow_up_the_scrape():
-    registry = CollectorRegistry()
-    requests = Counter("t_requests", "", ["adapter"], registry=registry)
-
-    def drop(value):
-        requests.remove(value)
-
-    top = metrics.TopK(5, on_demote=drop)
+    requests = mc.counter("t_requests", "", ["adapter"])
+    top = metrics.TopK(5, on_demote=lambda v: requests.remove_where("adapter", v))
     for i in range(20_000):  # a long tail: each adapter seen once or twice
         requests.labels(top(f"tail-{i % 9000}")).inc()
-    values = {s.labels["adapter"] for m in registry.collect() for s in m.samples if s.name.endswith("_total")}
+    values = _values(requests)
     assert len(values) <= 6 and metrics.OTHER in values
     assert len(top.counts) <= top.capacity and len(top.labelled) == 5
 
 
 def test_a_hot_adapter_gets_its_own_label_and_the_one_it_replaces_loses_its_series():
-    registry = CollectorRegistry()
-    requests = Counter("t_requests", "", ["adapter"], registry=registry)
-    top = metrics.TopK(2, on_demote=lambda v: requests.remove(v))
+    requests = mc.counter("t_requests", "", ["adapter"])
+    top = metrics.TopK(2, on_demote=lambda v: requests.remove_where("adapter", v))
     for name in ("old1", "old2"):
         requests.labels(top(name)).inc()
     assert top("cold") == metrics.OTHER  # one request does not displace anyone
     for _ in range(10):
         requests.labels(top("hot")).inc()
     assert "hot" in top.labelled and len(top.labelled) == 2
-    names = {s.labels["adapter"] for m in registry.collect() for s in m.samples if s.name.endswith("_total")}
+    names = _values(requests)
     assert "hot" in names and len(names - {metrics.OTHER}) == 2  # the demoted one's series is gone
     assert top("hot") == "hot"
 
@@ -226,10 +224,13 @@ def test_metrics_need_the_admin_token(stack):
 
 def test_metrics_can_be_switched_off():
     from app.config.metrics_config import MetricsConfig
-    from app.router.metrics import RequestObserver
+    from app.router.metrics import RequestObserver, exposition
+
+    def scrape() -> str:
+        return exposition([{"labels": {}, "families": metrics.snapshot()["families"]}])
 
     def counted():
-        return generate_latest(metrics.REGISTRY).decode().count("\n"), metrics.snapshot()["events"]
+        return scrape().count("\n"), metrics.snapshot()["events"]
 
     before = counted()
     metrics.configure(MetricsConfig(enabled=False))
@@ -238,9 +239,54 @@ def test_metrics_can_be_switched_off():
         obs.resolved(type("Spec", (), {"stages": ((1,),), "canonical": lambda self: "never-seen@1"})())
         obs.finish(200)
         metrics.event("error", message="x")
-        assert counted() == before and "never-seen" not in generate_latest(metrics.REGISTRY).decode()
+        assert counted() == before and "never-seen" not in scrape()
     finally:
         metrics.configure(MetricsConfig())
     with pytest.raises(ValueError, match="top_adapters"):
         MetricsConfig(top_adapters=0)
     assert MetricsConfig.from_options({"top_adapters": 3}).top_adapters == 3
+
+
+def test_refusals_and_cancelled_streams_are_counted(stack):
+    """A 404 counts under (none) with its tenant and shows on the status page's recent errors; a client that
+    goes away mid-stream counts as cancelled."""
+
+    def count(adapter: str, tenant: str, outcome: str) -> float:
+        text = httpx.get(
+            f"{stack.base}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10
+        ).text
+        prefix = "loraland_requests_total{"
+        want = {f'adapter="{adapter}"', f'tenant="{tenant}"', f'outcome="{outcome}"'}
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(prefix) and want <= set(line[len(prefix) : line.index("}")].split(","))
+        )
+
+    alpha = stack.tenants["alpha"]
+    before = count(metrics.NONE, alpha, "4xx")
+    r = httpx.post(
+        f"{stack.base}/v1/completions",
+        json={"model": "no-such-adapter", "prompt": "x"},
+        headers={"Authorization": f"Bearer {stack.keys['alpha']}"},
+        timeout=30,
+    )
+    assert r.status_code == 404
+    assert count(metrics.NONE, alpha, "4xx") == before + 1
+    data = httpx.get(
+        f"{stack.base}/status/data", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10
+    ).json()
+    assert any(e["status"] == 404 and e["tenant"] == alpha for e in data["errors"])
+
+    a = stack.adapters["a"]
+    cancelled = count(a, alpha, "cancelled")
+    body = {"model": a, "prompt": "a long one", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {stack.keys['alpha']}"}
+    with httpx.stream("POST", f"{stack.base}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first token came: hang up
+    deadline = time.monotonic() + 30
+    while count(a, alpha, "cancelled") != cancelled + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert count(a, alpha, "cancelled") == cancelled + 1

@@ -62,7 +62,7 @@ class ReplicaCore:
         self._tenant_weights: dict[str, float] | None = None  # what the kernel was last given
         self._reconciled = time.monotonic()  # last pass of the TTL fallback for missed catalog events
         self._gauges = replica_metrics.ReplicaGauges(self)  # read when /metrics or a snapshot collects
-        metrics.REGISTRY.register(self._gauges)
+        metrics.COLLECTORS.append(self._gauges)
         self._metrics: Any = None  # the snapshot publisher, once started
 
     def _connect(self):
@@ -366,10 +366,8 @@ class ReplicaCore:
         self._stop.set()
         if self._metrics is not None:
             self._metrics.stop()
-        try:
-            metrics.REGISTRY.unregister(self._gauges)
-        except KeyError:  # closed twice
-            pass
+        if self._gauges in metrics.COLLECTORS:
+            metrics.COLLECTORS.remove(self._gauges)
         if self._unsubscribe is not None:
             try:
                 self._unsubscribe()

@@ -10,21 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from app import metrics
+from app import metrics_core as mc
 
 log = logging.getLogger("loraland.replica")
-
-
-def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMetricFamily:
-    g = GaugeMetricFamily(name, doc, labels=list(labels))
-    g.add_metric(list(labels.values()), value)
-    return g
 
 
 def disk_cached(root: Any) -> int:
@@ -36,54 +27,56 @@ def disk_cached(root: Any) -> int:
     return sum(1 for n in names if not n.startswith(".") and f"{n}.json" in names)
 
 
-class ReplicaGauges(Collector):
-    """The kernel's state as gauges: queue, batch, KV blocks, prefix cache, adapters per tier, free slots."""
+class ReplicaGauges:
+    """The kernel's state as gauge families (metrics.COLLECTORS calls it at each snapshot): queue, batch, KV
+    blocks, prefix cache, adapters per tier, free slots. Each series names its replica itself: a test process
+    may hold several."""
 
     def __init__(self, core: Any):
         self.core = core
 
-    def collect(self) -> Iterator[Any]:
-        r = {"replica": self.core.replica_id}  # explicit: a test process may hold several replicas
-        kernel = self.core.kernel
+    def __call__(self) -> list[list]:
+        kernel, rid = self.core.kernel, [self.core.replica_id]
         try:
             s = kernel.stats()
-            engine, manager = kernel.engine, kernel.adapter_manager
-            alloc = engine.allocator
-            host = len(manager.host_lru)
+            alloc, host = kernel.engine.allocator, len(kernel.adapter_manager.host_lru)
         except Exception as e:  # a kernel that is closing: report nothing rather than fail the scrape
             log.debug("replica gauges unavailable: %s", e)
-            return
-        yield _gauge(
-            "loraland_queue_depth", "Sequences waiting for a place in the batch", s.get("queue_len", 0), r
-        )
-        yield _gauge("loraland_running_sequences", "Sequences in the running batch", s.get("running", 0), r)
-        yield _gauge("loraland_kv_blocks_used", "KV cache blocks in use", alloc.num_used, r)
-        yield _gauge("loraland_kv_blocks_total", "KV cache blocks", alloc.num_blocks, r)
-        yield _gauge(
-            "loraland_prefix_cache_hit_ratio",
-            "Prefix-cache block lookups that hit, since the replica started",
-            alloc.hits / alloc.queries if alloc.queries else 0.0,
-            r,
-        )
-        for name, doc, value in (
-            ("loraland_prefix_cache_queries", "Prefix-cache block lookups", alloc.queries),
-            ("loraland_prefix_cache_hits", "Prefix-cache block lookups that hit", alloc.hits),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["replica"])
-            c.add_metric([r["replica"]], value)
-            yield c
-        yield _gauge(
-            "loraland_adapter_slots_free", "Free adapter slots on the device", s.get("free_slots", 0), r
-        )
-        tiers = GaugeMetricFamily(
-            "loraland_adapters_resident",
-            "Adapters held per tier: device slots, parsed in host memory, files in the disk cache",
-            labels=["replica", "tier"],
-        )
-        tiers.add_metric([r["replica"], "device"], len(s.get("resident") or ()))
-        tiers.add_metric([r["replica"], "host"], host)
-        tiers.add_metric([r["replica"], "disk"], disk_cached(self.core.hub.cache.root))
-        yield tiers
+            return []
+
+        def g(name: str, doc: str, value: float) -> list:
+            return mc.family(name, "gauge", doc, ["replica"], [[rid, float(value)]])
+
+        def c(name: str, doc: str, value: float) -> list:
+            return mc.family(name, "counter", doc, ["replica"], [[rid, float(value)]])
+
+        disk = disk_cached(self.core.hub.cache.root)
+        tiers = [
+            [[*rid, "device"], len(s.get("resident") or ())],
+            [[*rid, "host"], host],
+            [[*rid, "disk"], disk],
+        ]
+        return [
+            g("loraland_queue_depth", "Sequences waiting for a place in the batch", s.get("queue_len", 0)),
+            g("loraland_running_sequences", "Sequences in the running batch", s.get("running", 0)),
+            g("loraland_kv_blocks_used", "KV cache blocks in use", alloc.num_used),
+            g("loraland_kv_blocks_total", "KV cache blocks", alloc.num_blocks),
+            g(
+                "loraland_prefix_cache_hit_ratio",
+                "Prefix-cache block lookups that hit, since the replica started",
+                alloc.hits / alloc.queries if alloc.queries else 0.0,
+            ),
+            c("loraland_prefix_cache_queries", "Prefix-cache block lookups", alloc.queries),
+            c("loraland_prefix_cache_hits", "Prefix-cache block lookups that hit", alloc.hits),
+            g("loraland_adapter_slots_free", "Free adapter slots on the device", s.get("free_slots", 0)),
+            mc.family(
+                "loraland_adapters_resident",
+                "gauge",
+                "Adapters held per tier: device slots, parsed in host memory, files in the disk cache",
+                ["replica", "tier"],
+                tiers,
+            ),
+        ]
 
 
 def load_source(hub: Any, uri: str, files: dict[str, str] | None) -> str:

@@ -16,10 +16,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.metrics_core import Metric
 
 from app import metrics
+from app import metrics_core as mc
 from app.router.http_errors import error_reply
 
 log = logging.getLogger("loraland.ingress")
@@ -129,31 +128,12 @@ def cluster_snapshots(catalog: Any) -> list[dict]:
     return snaps
 
 
-class _Merged:
-    """A registry-like collector over snapshots: one family per name, each sample labelled with its process."""
-
-    def __init__(self, snaps: list[dict]):
-        self.snaps = snaps
-
-    def collect(self):
-        fams: dict[str, Metric] = {}
-        for snap in self.snaps:
-            who = snap.get("labels") or {}
-            for name, kind, doc, samples in snap.get("families", ()):
-                fam = fams.get(name)
-                if fam is None:
-                    fam = fams[name] = Metric(name, doc, kind)
-                elif fam.type != kind:
-                    continue
-                for sname, labels, value in samples:
-                    fam.add_sample(
-                        sname, {**labels, **{k: v for k, v in who.items() if k not in labels}}, value
-                    )
-        yield from fams.values()
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the Prometheus text format
 
 
-def exposition(snaps: list[dict]) -> bytes:
-    return generate_latest(_Merged(snaps))
+def exposition(snaps: list[dict]) -> str:
+    """The text format for the cluster: every snapshot's families, each series labelled with its process."""
+    return mc.text((snap.get("labels") or {}, snap.get("families") or []) for snap in snaps)
 
 
 def add_metrics_route(api: FastAPI, auth: Any, catalog: Any) -> None:
@@ -167,4 +147,4 @@ def add_metrics_route(api: FastAPI, auth: Any, catalog: Any) -> None:
             reply = error_reply(e)
             return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
         snaps = await asyncio.to_thread(cluster_snapshots, catalog)
-        return Response(exposition(snaps), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(snaps), media_type=CONTENT_TYPE)

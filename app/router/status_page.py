@@ -27,28 +27,30 @@ MAX_ADAPTERS = 500  # rows on the page: the busiest first
 MAX_EVENTS = 50
 
 
+def _series(snaps: list[dict], family: str):
+    """(labels dict, value, the snapshot's process labels) of every series of gauge or counter `family`."""
+    for snap in snaps:
+        for name, kind, _doc, labelnames, series, _buckets in snap.get("families", ()):
+            if name == family and kind != "histogram":
+                for values, value in series:
+                    yield dict(zip(labelnames, values)), value, snap.get("labels") or {}
+
+
 def _sums(snaps: list[dict], family: str, by: str) -> dict[str, float]:
     """Counter `family`'s total over every process, grouped by its label `by`."""
     out: dict[str, float] = defaultdict(float)
-    want = family + "_total"
-    for snap in snaps:
-        for name, _kind, _doc, samples in snap.get("families", ()):
-            if name == family:
-                for sname, labels, value in samples:
-                    if sname == want and by in labels:
-                        out[labels[by]] += value
+    for labels, value, _who in _series(snaps, family):
+        if by in labels:
+            out[labels[by]] += value
     return dict(out)
 
 
 def _per_replica(snaps: list[dict], family: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for snap in snaps:
-        for name, _kind, _doc, samples in snap.get("families", ()):
-            if name == family:
-                for _sname, labels, value in samples:
-                    rid = labels.get("replica") or (snap.get("labels") or {}).get("replica")
-                    if rid is not None:
-                        out[rid] = value
+    for labels, value, who in _series(snaps, family):
+        rid = labels.get("replica") or who.get("replica")
+        if rid is not None:
+            out[rid] = value
     return out
 
 
@@ -147,18 +149,13 @@ def status_data(service: Any) -> dict[str, Any]:
         }
         for name in sorted(tenant_names)
     ]
-    outcomes = defaultdict(float)
-    for snap in snaps:
-        for name, _k, _d, samples in snap.get("families", ()):
-            if name == "loraland_requests":
-                for _s, labels, value in samples:
-                    outcomes[labels.get("outcome", "?")] += value
+    outcomes = _sums(snaps, "loraland_requests", "outcome")
     events = sorted((e for s in snaps for e in s.get("events") or ()), key=lambda e: -e["time"])
     return {
         "time": now,
         "model": service.cfg.model_name,
         "processes": len(snaps),
-        "outcomes": dict(outcomes),
+        "outcomes": outcomes,
         "adapters": rows[:MAX_ADAPTERS],
         "adapters_total": len(rows),
         "replicas": replica_rows,
