@@ -311,6 +311,7 @@ def inside() -> int:  # noqa: PLR0915 - one scripted story, step by step
         if sshd is not None:
             sshd.terminate()
             sshd.wait(timeout=10)
+        shutil.rmtree(RUN / "ssh", ignore_errors=True)  # the keys go with the sshd that trusted them
         services.stop()
         for f in ("cluster-loraland-local.lock", "cluster-loraland-local.state"):  # ray up's local state
             Path("/tmp/ray", f).unlink(missing_ok=True)
