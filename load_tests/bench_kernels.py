@@ -12,10 +12,10 @@ Candidates (shrink x [T,in] -> [T,r] and expand [T,r] -> y [T,out] +=):
   gm-span   torch._grouped_mm over the slots between the lowest and highest present one (a view)
   gm-comp   torch._grouped_mm over the present slots, their weights gathered by index_select per call
 (gm-full and bmm are written here and allocate one [T, out] temporary per expand; the others are
-kernels.lora methods, which expand in <= 8 MiB token chunks)
+loraland_kernels.lora methods, which expand in <= 8 MiB token chunks)
   bmm       index_select of the present slots + padding tokens to [k, Lmax, in] + one bmm
   gather    one embedding_bag over the pool viewed as rows (no weight copies)
-  chosen    kernels.lora's automatic choice (Segments.cpu_method)
+  chosen    loraland_kernels.lora's automatic choice (Segments.cpu_method)
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from kernels import lora as K
+from loraland_kernels import lora as K
 
 
 def timed(fn, budget_s: float = 0.15, min_reps: int = 3, max_reps: int = 200) -> float:

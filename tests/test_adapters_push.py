@@ -53,8 +53,12 @@ def redis_url():
 
 
 def test_push_puts_each_version_under_the_root_with_progress(
-    redis_url, s3_server, tmp_path, monkeypatch, capsys
-):  # noqa: F811
+    redis_url,
+    s3_server,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
     bucket = f"push-{uuid.uuid4().hex[:10]}"
     make_bucket(s3_server, bucket)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("LORALAND_", "AWS_", "HF_"))}

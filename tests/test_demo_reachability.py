@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pytest
 
-from app.catalog.redis_server import free_port
 from app.cli.local_only import LOCAL_ONLY_ENV
 from tests.fixtures.system_tools import ensure_tool
 from tests.fixtures.tiny_adapter import write_tiny_adapter
@@ -185,7 +184,10 @@ def test_demo_stack_is_reachable_from_the_host_and_stays_on_the_machine(tiny_mod
     env = {k: v for k, v in os.environ.items() if k not in LOCAL_ONLY_ENV and not k.startswith("AWS_")}
     env.update(PYTHONPATH=str(ROOT), LORALAND_CACHE_DIR=str(tmp_path / "cache"))
     log = tmp_path / "strace.log"
-    stack = Stack(net, strace, assets, free_port(), log, env)
+    # A port free in the namespace the stack runs in (ours may be another one).
+    pick = "from app.catalog.redis_server import free_port; print(free_port())"
+    port = int(subprocess.check_output([*net, sys.executable, "-c", pick], cwd=ROOT, env=env, timeout=60))
+    stack = Stack(net, strace, assets, port, log, env)
     try:
         code, body = stack.curl("/v1/models")
         assert code == 200 and "demo" in body, body

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from loraland_kernels import reference as R
 
 from app.config.model_config import ModelConfig
 from app.errors import InvalidAdapter, InvalidRequest
@@ -18,7 +19,6 @@ from app.replica.lora.merge import merge_adapters
 from app.replica.lora.peft_format import adapter_summary, read_adapter
 from app.replica.sampling import SamplingParams
 from app.replica.sequence import Sequence
-from kernels import reference as R
 from tests.fixtures.adapters import SPECS_BY_NAME, make_peft_adapter, peft_model_with
 from tests.fixtures.dora_adapters import DORA_SPECS, make_dora_set, peft_greedy_per_adapter
 

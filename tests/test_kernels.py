@@ -1,4 +1,4 @@
-"""Grouped multi-LoRA kernels against kernels/reference.py: the CPU paths (gather, grouped, auto) and the
+"""Grouped multi-LoRA kernels against kernels/loraland_kernels/reference.py: the CPU paths (gather, grouped, auto) and the
 Triton SGMV kernels (TRITON_INTERPRET=1 on CPU tensors here; real CUDA when a GPU is present)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # must be set before kernels.triton_sgmv decorates its kernels; lora.py imports it lazily
+    # must be set before loraland_kernels.triton_sgmv decorates its kernels; lora.py imports it lazily
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels import lora as K  # noqa: E402
-from kernels import reference as R  # noqa: E402
+from loraland_kernels import lora as K  # noqa: E402
+from loraland_kernels import reference as R  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -374,7 +374,7 @@ def test_build_segments_rejects_bad_slot_ids():
 
 
 def test_lora_module_does_not_import_triton():
-    code = "import sys, kernels.lora; assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    code = "import sys, loraland_kernels.lora; assert 'triton' not in sys.modules, 'triton imported eagerly'"
     subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
@@ -387,7 +387,7 @@ TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA e
 
 @pytest.fixture(scope="module", autouse=False)
 def triton_mod():
-    from kernels import triton_sgmv
+    from loraland_kernels import triton_sgmv
 
     if not HAS_CUDA:
         assert type(triton_sgmv._shrink_kernel).__name__ == "InterpretedFunction", (

@@ -51,7 +51,8 @@ class AppConfig:
     # Adapters a new replica loads before it takes traffic (pinned ones, then those most replicas hold), so a
     # scale-up or a replacement does not meet its first requests with a storm of cold loads. 0: none.
     warm_adapters: int = 8
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # a mapping in YAML: app/config/metrics_config.py
+    # A mapping in YAML: app/config/metrics_config.py.
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 10.0
     routing_stats_period_s: float = 1.0

@@ -146,5 +146,5 @@ def add_metrics_route(api: FastAPI, auth: Any, catalog: Any) -> None:
         except Exception as e:
             reply = error_reply(e)
             return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
-        snaps = await asyncio.to_thread(cluster_snapshots, catalog)
-        return Response(exposition(snaps), media_type=CONTENT_TYPE)
+        body = await asyncio.to_thread(lambda: exposition(cluster_snapshots(catalog)))  # off the event loop
+        return Response(body, media_type=CONTENT_TYPE)

@@ -9,7 +9,7 @@ PEFT passes the base output in), for a base linear y = x W^T + bias and LoRA sca
 W is fixed, so f is a constant vector per (layer, module) of each adapter: `dora_scales` computes it once,
 off the step loop, from the base weights read by `BaseWeights`. On the device, f is folded into B
 (B' = s * f * B, per output column) and the kernels rescale the base output of the adapter's rows by f
-(kernels/lora.py expand's base_scale/base_bias): resident memory is one f vector per module, nothing per token.
+(kernels/loraland_kernels/lora.py expand's base_scale/base_bias): resident memory is one f vector per module, nothing per token.
 """
 
 from __future__ import annotations

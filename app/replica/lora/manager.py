@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from loraland_kernels import lora as K
 
 from app import metrics
 from app.config.model_config import ModelConfig
@@ -32,7 +33,6 @@ from app.replica.lora.dora import BaseWeights, with_dora_scales
 from app.replica.lora.pools import LoraBatch, Pool, PoolPlan, signature
 from app.replica.lora.weights import LoraWeights
 from app.replica.sequence import Sequence
-from kernels import lora as K
 
 log = logging.getLogger("loraland.adapters")
 

@@ -5,7 +5,7 @@ pool, so a rank-4 adapter never pays for rank-64 slots and a q/v adapter never p
 fused linear) a pool holds A [cap, in, sum of ranks] (q/k/v and gate/up A's side by side, so one shrink serves
 all three) and one B [cap, r, out] per module with alpha/r folded in. A DoRA pool also holds, per module, the
 factor f [cap, out] (dora.py) and the base linear's bias [out] (shared by the slots): its B has f folded in too,
-and the expand rescales the base output of its rows by f (kernels/lora.py). Plain LoRA pools carry neither.
+and the expand rescales the base output of its rows by f (kernels/loraland_kernels/lora.py). Plain LoRA pools carry neither.
 
 Pools are touched only on the engine thread (install on admit, remove on eviction, reads in LoraBatch.apply).
 """
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from loraland_kernels import lora as K
 
 from app.config.model_config import ModelConfig
 from app.replica.lora.weights import LoraWeights
-from kernels import lora as K
 
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),

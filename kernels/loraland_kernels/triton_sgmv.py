@@ -1,4 +1,4 @@
-"""Triton SGMV shrink/expand (the CUDA path of kernels/lora.py). Imports triton: load it lazily.
+"""Triton SGMV shrink/expand (the CUDA path of kernels/loraland_kernels/lora.py). Imports triton: load it lazily.
 
 Grid: (token tiles of the longest segment x output tiles, segments, split-K). A program owns one
 [BLOCK_M, BLOCK_N] output tile of one segment, loops over the reduction dim in BLOCK_K steps and
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import Segments
+from loraland_kernels.lora import Segments
 
 
 @triton.jit

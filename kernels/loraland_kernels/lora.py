@@ -6,7 +6,7 @@ A pool holds S slots of one rank r: A [S, in, r], B [S, r, out]. Tokens of a slo
     expand:  y[seg] += scale[s] * z[seg] @ B[s]            ([T, r] -> [T, out], in place)
 DoRA adapters also rescale the base output per output column before the delta is added (base_scale [S, out],
 the part base_bias [out] of y left unscaled): y[seg] = base_scale[s] * (y[seg] - base_bias) + base_bias + ...
-kernels/reference.py is the definition the paths below are tested against.
+kernels/loraland_kernels/reference.py is the definition the paths below are tested against.
 
 Paths (`method`):
 - "gather" (CPU): one F.embedding_bag per call. Row (s, i) of A.view(S*in, r) is weighted by x[t, i] and
@@ -16,7 +16,7 @@ Paths (`method`):
   no copy). GEMM-efficient for long segments; every slot in that span costs ~1.5 us even when empty.
 - "compact" (CPU): torch._grouped_mm over the k present slots, copied by index_select each call (k x in
   x r per call, never per token): for long segments in a sparsely used pool.
-- "triton" (CUDA): the SGMV kernels of kernels/triton_sgmv.py (triton imported on first use).
+- "triton" (CUDA): the SGMV kernels of kernels/loraland_kernels/triton_sgmv.py (triton imported on first use).
 - "loop": one matmul per segment (reference speed; tests and benchmarks only).
 `method=None` picks triton on CUDA, otherwise `Segments.cpu_method(pool dtype)`, the rule measured by
 load_tests/bench_kernels.py. fp32 pools with long segments (>= 4 tokens per segment on average, or one
@@ -194,7 +194,7 @@ def shrink(x: torch.Tensor, A: torch.Tensor, seg: Segments, *, method: str | Non
     _check(x, A, seg, "shrink")
     m = _pick(x, A, seg, method)
     if m == "triton":
-        from kernels import triton_sgmv
+        from loraland_kernels import triton_sgmv
 
         return triton_sgmv.shrink(x, A, seg)
     nb, r = seg.num_base, A.shape[2]
@@ -250,7 +250,7 @@ def expand(
         return
     m = _pick(y, B, seg, method)
     if m == "triton":
-        from kernels import triton_sgmv
+        from loraland_kernels import triton_sgmv
 
         triton_sgmv.expand(y, z, B, seg, scale, base_scale=base_scale, base_bias=base_bias)
         return
