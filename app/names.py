@@ -208,6 +208,8 @@ def _parse_term(model: str, text: str, in_merge: bool) -> Term:
             model, f"{text!r} is not an adapter name (letters, digits, '.', '_', '-', optionally 'org/')"
         )
     version = m.group("version")
+    if version is not None and (int(version) < 1 or version != str(int(version))):
+        raise _bad(model, f"invalid version in {text!r}: use name@N with N a positive integer, e.g. name@1")
     return Term(m.group("name"), int(version) if version is not None else None, weight)
 
 

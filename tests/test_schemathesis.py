@@ -8,18 +8,15 @@ a bad body is an OpenAI-shaped 400 rather than FastAPI's 422), so schemathesis c
 parameters and methods there; the bodies are covered by HOSTILE below. Each case is sent four ways: without
 credentials, with a bad key, with a tenant key and with the admin token.
 
-Known defects (xfail until fixed in the files named): a deeply nested JSON body is a 500 (RecursionError out of
-json.loads in app/router/openai_schema.py parse_body); a lone surrogate ("\\ud800") in a prompt or a chat message
-is a 500 (UnicodeEncodeError in app/router/quotas.py reserve_tokens.text); `"model": "pub@0"` is a 503 "catalog
-lookup failed" (parse_model accepts version 0, the catalog's parse_ref refuses it, app/router/service.py _record
-reports any lookup error as CatalogUnavailable); a path no route matches, or a method a route lacks, answers
-FastAPI's own {"detail": ...} (app/router/ingress.py has no handler for starlette's HTTPException); the quota
-routes' GET and PUT share one operationId (app/router/quotas.py)."""
+Defects this file found, now fixed (their cases stay): deeply nested JSON was a 500 (RecursionError in
+openai_schema.parse_body); a lone surrogate ("\\ud800") was a 500 (quotas' byte count); `"model": "pub@0"` was a
+503 (names.parse_model accepted version 0); unknown paths and methods answered FastAPI's {"detail": ...}; the
+quota routes' GET and PUT shared one operationId.
+"""
 
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 
@@ -44,15 +41,11 @@ def stack(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
     s.close()
 
 
-def check(response, what: str, framework_bodies: list | None = None) -> None:
-    """No 5xx; a 4xx is OpenAI-shaped. With `framework_bodies`, FastAPI's own {"detail": ...} answers (a path
-    no route matches, a method a route lacks) are collected there instead: a known defect, reported once."""
+def check(response, what: str) -> None:
+    """No 5xx; a 4xx is OpenAI-shaped."""
     assert response.status_code < 500, f"{what}: {response.status_code} {response.text[:500]}"
     if 400 <= response.status_code < 500:
         body = response.json()
-        if framework_bodies is not None and isinstance(body, dict) and set(body) == {"detail"}:
-            framework_bodies.append((what, response.status_code, body))
-            return
         problem = openai_error(body)
         assert problem is None, f"{what}: {response.status_code} {problem}"
 
@@ -62,12 +55,10 @@ def test_schema_operations_never_5xx_and_4xx_are_openai_shaped(stack):
     # cases come from the schema's own Hypothesis strategy, both valid (positive) and invalid (negative) ones.
     from schemathesis import GenerationMode
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # FastAPI's duplicate-operationId warning: see test_operation_ids_...
-        schema = schemathesis.openapi.from_asgi("/openapi.json", stack.api)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", stack.api)
     operations = [r.ok() for r in schema.get_all_operations()]
     seen: set[tuple[str, str]] = set()
-    calls, framework = 0, []
+    calls = 0
 
     def run_cases(strategy, label: str, examples: int) -> None:
         @given(case=strategy)
@@ -80,7 +71,7 @@ def test_schema_operations_never_5xx_and_4xx_are_openai_shaped(stack):
             for who in WHO:
                 calls += 1
                 response = case.call(headers=stack.headers(who))
-                check(response, f"{label} {case.method} {case.formatted_path} as {who}", framework)
+                check(response, f"{label} {case.method} {case.formatted_path} as {who}")
 
         run()
 
@@ -93,15 +84,8 @@ def test_schema_operations_never_5xx_and_4xx_are_openai_shaped(stack):
                 pass
     print(f"\nschemathesis: {len(operations)} operations, {len(seen)} exercised, {calls} requests")
     assert seen == {(op.method.upper(), op.path) for op in operations}
-    if framework:
-        what, status, body = framework[0]
-        pytest.xfail(
-            f"{len(framework)} answers are FastAPI's own, not OpenAI-shaped (e.g. {what}: {status} {body}): "
-            "app/router/ingress.py needs a handler for starlette's HTTPException"
-        )
 
 
-@pytest.mark.xfail(reason="app/router/ingress.py: FastAPI's default 404/405 bodies are {'detail': ...}")
 def test_unknown_paths_and_methods_are_openai_shaped(stack):
     async def go(client):
         return [
@@ -124,7 +108,6 @@ def test_openapi_json_lists_every_route_but_not_the_bodies(stack):
         assert "requestBody" not in paths[path][method], f"{path} now describes its body: extend this test"
 
 
-@pytest.mark.xfail(reason="app/router/quotas.py: GET and PUT of each quota route share one operationId")
 def test_operation_ids_are_unique(stack):
     spec = stack.run(lambda c: c.get("/openapi.json")).json()
     ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
@@ -145,11 +128,6 @@ def _chat(**kw):
     return json.dumps({**_CHAT, **kw})
 
 
-_xfail_nested = pytest.mark.xfail(reason="openai_schema.parse_body: RecursionError from json.loads is a 500")
-_xfail_v0 = pytest.mark.xfail(
-    reason="names.parse_model accepts @0; service._record turns the refusal into a 503"
-)
-
 HOSTILE = [
     ("completions", b""),
     ("completions", b"not json"),
@@ -160,17 +138,14 @@ HOSTILE = [
     pytest.param(
         "completions",
         b'{"model": "tiny-llama", "prompt": "\\ud800", "max_tokens": 2}',
-        marks=pytest.mark.xfail(reason="app/router/quotas.py text(): UnicodeEncodeError on a lone surrogate"),
         id="lone-surrogate",
     ),
     ("completions", b'{"model": "tiny-llama", "prompt": "\\ud83d\\ude00 ok", "max_tokens": 2}'),
     ("completions", b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": NaN}'),
     ("completions", b'{"model": "tiny-llama", "prompt": "hi", "temperature": Infinity}'),
     ("completions", b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 1e400}'),
-    pytest.param("completions", b"[" * 100_000, marks=_xfail_nested, id="nested-arrays"),
-    pytest.param(
-        "completions", b'{"a":' * 50_000 + b"1" + b"}" * 50_000, marks=_xfail_nested, id="nested-objects"
-    ),
+    pytest.param("completions", b"[" * 100_000, id="nested-arrays"),
+    pytest.param("completions", b'{"a":' * 50_000 + b"1" + b"}" * 50_000, id="nested-objects"),
     ("completions", json.dumps({"prompt": "hi"})),
     ("completions", _c(model=None)),
     ("completions", _c(model=5)),
@@ -181,7 +156,7 @@ HOSTILE = [
     ("completions", _c(model="+".join(f"pub*{i}" for i in range(1, 12)))),
     ("completions", _c(model="ties(pub*0.5+b-private*0.5;density=2)")),
     ("completions", _c(model="pub*1e-400+a-private*1")),
-    pytest.param("completions", _c(model="pub@0"), marks=_xfail_v0, id="version-zero"),
+    pytest.param("completions", _c(model="pub@0"), id="version-zero"),
     ("completions", _c(model="pub@99999")),
     ("completions", _c(model="pub@99999999999999999999")),
     ("completions", _c(prompt=None)),
@@ -252,7 +227,6 @@ HOSTILE = [
     pytest.param(
         "chat",
         _chat(messages=[{"role": "user", "content": "\ud800"}]),
-        marks=pytest.mark.xfail(reason="app/router/quotas.py text(): UnicodeEncodeError on a lone surrogate"),
         id="chat-lone-surrogate",
     ),
     ("chat", _chat(messages=[{"role": "user", "content": "x" * 10_000}], max_tokens=1)),

@@ -177,9 +177,14 @@ class ReplicaCore:
 
     # ------------------------------------------------------------------ stats
     def held_refs(self) -> tuple[list[str], list[str]]:
-        """(refs registered with the kernel, refs of those in a device slot); the kernel reports bare names."""
+        """(refs in the kernel's memory, host or device, refs of those in a device slot); the kernel reports
+        bare names. Registered adapters the host LRU dropped are left out: serving one means reading it again,
+        and the router must not count this replica as holding it (what `resident` in the stats says)."""
         s = self.kernel.stats()
-        loaded, on_device = set(s.get("loaded") or ()), set(s.get("resident") or ())
+        in_memory = s.get("in_memory")
+        if in_memory is None:  # a kernel that does not say: everything registered
+            in_memory = s.get("loaded")
+        loaded, on_device = set(in_memory or ()), set(s.get("resident") or ())
         held = sorted(ref for ref, name in self._held.items() if name in loaded)
         return held, [ref for ref in held if self._held[ref] in on_device]
 

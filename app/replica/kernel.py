@@ -306,6 +306,7 @@ class LLMKernel:
             "running": len(e.scheduler.running),
             "kv_usage": e.allocator.usage(),
             "loaded": m.names(),
+            "in_memory": _in_memory(m),
         }
 
     def close(self) -> None:
@@ -316,3 +317,18 @@ class LLMKernel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _in_memory(m: Any) -> list[str]:
+    """Names whose live version is in host memory, a device slot, or being read back in: what a request can
+    use without fetching again. The registry keeps every adapter ever registered (its loader re-reads it
+    after the host LRU drops it), so `loaded` never shrinks; routers must see this instead. `list()` copies
+    the dict in one step under the GIL, so the engine thread's changes cannot break the iteration."""
+    entries = list(getattr(m, "entries", {}).values())
+    return sorted(
+        {
+            e.name
+            for e in entries
+            if not e.retired and (e.weights is not None or e.slot is not None or e.loading is not None)
+        }
+    )

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as FrameworkHTTPException
 
 from app.catalog.telemetry import start_process_metrics
 from app.config.app_config import AppConfig
@@ -25,7 +26,7 @@ from app.config.settings import Settings
 from app.router import openai_schema as oa
 from app.router.auth import Authenticator
 from app.router.body_limit import BodyLimit
-from app.router.http_errors import error_reply
+from app.router.http_errors import HTTPFailure, error_reply
 from app.router.metrics import RequestObserver, add_metrics_route
 from app.router.quotas import QuotaLimiter, add_quota_routes
 from app.router.replica_client import ReplicaStream, ServeBackend
@@ -49,6 +50,21 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     api = FastAPI(title="LoRA-Land", docs_url=None, redoc_url=None)
     api.add_middleware(BodyLimit, max_bytes=service.cfg.max_request_bytes)  # 413 before a big body is read
     api.state.quotas = quotas = quotas or QuotaLimiter.for_service(service)
+
+    @api.exception_handler(FrameworkHTTPException)
+    async def framework_error(request: Request, exc: FrameworkHTTPException) -> Response:
+        # A path no route matches (404) or a method a route lacks (405): OpenAI-shaped like every other error.
+        code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status_code)
+        what = f"{request.method} {request.url.path}"
+        message = {
+            404: f"no route for {what}; see /openapi.json for the routes",
+            405: f"{request.method} is not allowed on {request.url.path}; see /openapi.json",
+        }.get(exc.status_code, f"{what}: {exc.detail}")
+        reply = error_reply(HTTPFailure(exc.status_code, message, code=code))
+        return JSONResponse(
+            reply.body, status_code=reply.status, headers={**reply.headers, **(exc.headers or {})}
+        )
+
     add_quota_routes(api, auth, service.catalog)  # first: /v1/adapters/{name:path} would take its paths
     add_metrics_route(api, auth, service.catalog)
     add_status_routes(api, auth, service)
@@ -172,15 +188,20 @@ async def _stream(
 
     async def events() -> AsyncIterator[bytes]:
         started: set[int] = set()
+        offsets: dict[int, int] = {}  # completions' text_offset: characters of the tokens sent per choice
         item, done = first, False
         try:
             while item is not None:
                 idx = item.index
                 reason = oa.finish_reason(item.finish_reason)
-                if item.text or reason is not None or idx not in started:
-                    yield oa.sse(
-                        oa.stream_chunk(rid, req.model, idx, item.text, reason, chat, idx not in started)
+                if item.text or reason is not None or idx not in started or item.logprobs:
+                    logprobs = oa.choice_logprobs(item.logprobs, chat, offsets.get(idx, 0))
+                    if item.logprobs:
+                        offsets[idx] = offsets.get(idx, 0) + sum(len(e.token) for e in item.logprobs)
+                    chunk = oa.stream_chunk(
+                        rid, req.model, idx, item.text, reason, chat, idx not in started, logprobs
                     )
+                    yield oa.sse(chunk)
                     started.add(idx)
                 item = await stream.next()
             done = True

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from app.errors import InvalidRequest
-from app.protocol import ChoiceDelta
+from app.protocol import MAX_LOGPROBS, ChoiceDelta, TokenLogprob
 
 MAX_N = 16
 MAX_STOP = 16
@@ -20,6 +20,7 @@ MAX_STOP = 16
 # enough that parsing and echoing it costs nothing.
 MAX_MODEL_CHARS = 4096
 ECHO_CHARS = 100  # how much of a caller's string an error message repeats
+MAX_BIAS = 100  # logit_bias values lie in [-100, 100], as OpenAI's
 
 
 class _Sampling(BaseModel):
@@ -38,15 +39,17 @@ class _Sampling(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    # OpenAI fields this server does not implement: accepted only at their neutral values.
-    logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # vLLM's extra (HF semantics)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's extra
+    min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's extra
+    logit_bias: Any = None  # {"token id": bias in [-100, 100]}; checked in _check_logit_bias
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    logprobs: Any = None  # an integer in [0, MAX_LOGPROBS]: the top log probabilities per token
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
@@ -62,6 +65,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0)
 
 
 # pydantic reports only one branch of a union; say what the field accepts instead.
@@ -109,15 +114,45 @@ def clipped(err: InvalidRequest) -> InvalidRequest:
     return out
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_body(raw: bytes) -> dict:
-    """The JSON object in a request body, or InvalidRequest saying why not."""
+    """The JSON object in a request body, or InvalidRequest saying why not (not JSON, nested deeper than the
+    parser's recursion limit, or a string holding a lone UTF-16 surrogate, which no tokenizer can encode)."""
     try:
         data = json.loads(raw or b"")
     except (ValueError, UnicodeDecodeError) as e:
         raise invalid("body", f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise invalid("body", "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise invalid("body", "the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise invalid(
+            "body",
+            "a string holds a lone UTF-16 surrogate (e.g. \\ud800 without its pair): send valid Unicode",
+        )
     return data
+
+
+def _has_lone_surrogate(data: object) -> bool:
+    """Whether any string (key or value) in parsed JSON holds a surrogate code point; json.loads joins valid
+    escaped pairs into one character, so only lone halves are left."""
+    todo = [data]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            try:
+                x.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(x, dict):
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+    return False
 
 
 def validate(cls: type[BaseModel], data: dict) -> Any:
@@ -136,16 +171,14 @@ def _check_unsupported(req: _Sampling) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP or any(not s for s in stops):
         raise invalid("stop", f"give at most {MAX_STOP} non-empty stop strings")
-    if req.logprobs not in (None, False, 0):
-        raise invalid("logprobs", "log probabilities are not supported by this server; omit the field")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise invalid(name, "penalties are not supported by this server; omit the field or use 0")
-    if req.logit_bias:
-        raise invalid("logit_bias", "logit_bias is not supported by this server; omit the field")
+    _check_logprobs(req)
+    _check_logit_bias(req.logit_bias)
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
+        raise invalid("min_tokens", f"must be at most max_tokens ({max_tokens}), got {req.min_tokens}")
     if isinstance(req, CompletionRequest):
         if req.echo:
-            raise invalid("echo", "echo is not supported by this server; omit the field")
+            raise invalid("echo", "echo (with prompt log probabilities) is not supported yet; omit the field")
         if req.suffix:
             raise invalid("suffix", "suffix is not supported by this server; omit the field")
         if req.best_of not in (None, req.n):
@@ -154,6 +187,38 @@ def _check_unsupported(req: _Sampling) -> None:
             raise invalid("prompt", "give at least one prompt")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "only allowed when stream is true")
+
+
+def _check_logprobs(req: _Sampling) -> None:
+    top = f"an integer in [0, {MAX_LOGPROBS}] (this server's max_logprobs, as vLLM's default)"
+    if isinstance(req, CompletionRequest):
+        k = req.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise invalid("logprobs", f"must be {top}, got {clip(repr(k))}")
+        return
+    if req.top_logprobs is not None:
+        if req.top_logprobs > MAX_LOGPROBS:
+            raise invalid("top_logprobs", f"must be {top}, got {req.top_logprobs}")
+        if not req.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+
+
+def _check_logit_bias(bias: Any) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", 'must be an object mapping token ids to biases, e.g. {"50256": -100}')
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise invalid("logit_bias", f"keys must be token ids (non-negative integers), got {clip(key)!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -MAX_BIAS <= value <= MAX_BIAS  # NaN fails too
+        ):
+            raise invalid(
+                "logit_bias", f"values must be numbers in [-100, 100], got {clip(repr(value))} for {key}"
+            )
 
 
 def sampling_of(req: _Sampling) -> dict[str, Any]:
@@ -170,6 +235,17 @@ def sampling_of(req: _Sampling) -> dict[str, Any]:
         out["top_k"] = req.top_k
     if req.ignore_eos:
         out["ignore_eos"] = True
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"):
+        value = getattr(req, key)
+        if value is not None:
+            out[key] = value
+    if req.logit_bias:
+        out["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            out["logprobs"] = req.logprobs
+    elif req.logprobs:
+        out["logprobs"] = req.top_logprobs or 0
     return out
 
 
@@ -220,7 +296,7 @@ def completion_response(rid: str, model: str, choices: Sequence[ChoiceDelta], us
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": choice_logprobs(c.logprobs, chat),
                 "finish_reason": finish_reason(c.finish_reason),
             }
             for c in choices
@@ -231,7 +307,7 @@ def completion_response(rid: str, model: str, choices: Sequence[ChoiceDelta], us
             {
                 "index": c.index,
                 "text": c.text,
-                "logprobs": None,
+                "logprobs": choice_logprobs(c.logprobs, chat),
                 "finish_reason": finish_reason(c.finish_reason),
             }
             for c in choices
@@ -255,15 +331,57 @@ def stream_chunk(
     finish_reason: str | None,
     chat: bool,
     first: bool = False,
+    logprobs: dict | None = None,
 ) -> dict:
+    """One streamed choice; `logprobs`: its tokens' log probabilities, shaped by choice_logprobs."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def choice_logprobs(entries: Sequence[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's `logprobs` of a choice (or of a streamed chunk of it), None when the request did not ask.
+
+    Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}] x k]}].
+    Completions (vLLM's shape): {"tokens", "token_logprobs", "top_logprobs": [{token: logprob} of the top k and
+    the sampled token], "text_offset"}; `offset` is where the first token starts in the choice's text (a stream
+    passes the length of the tokens sent before). Every sampled token is listed, a stop token too."""
+    if entries is None:
+        return None
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": e.token,
+                    "logprob": e.logprob,
+                    "bytes": list(e.token_bytes),
+                    "top_logprobs": [
+                        {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)} for t in e.top
+                    ],
+                }
+                for e in entries
+            ]
+        }
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for e in entries:
+        tokens.append(e.token)
+        token_logprobs.append(e.logprob)
+        top = {t.token: t.logprob for t in e.top}
+        top.setdefault(e.token, e.logprob)
+        top_logprobs.append(top)
+        text_offset.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
 def usage_chunk(rid: str, model: str, use: dict, chat: bool) -> dict:

@@ -310,10 +310,18 @@ def add_quota_routes(api: FastAPI, auth: Any, catalog: Any) -> None:
             reply = error_reply(e)
             return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
 
-    @api.api_route("/v1/tenants/{name}/quota", methods=["GET", "PUT"])
-    async def tenant_quota(request: Request, name: str) -> Response:
-        return await answer(request, "tenant", name)
+    for kind, path in (("tenant", "/v1/tenants/{name}/quota"), ("adapter", "/v1/adapters/{name:path}/quota")):
+        for method in ("GET", "PUT"):
+            # One operation per method, each with its own operationId (OpenAPI requires them unique).
+            api.add_api_route(
+                path, _route(answer, kind), methods=[method], operation_id=f"{method.lower()}_{kind}_quota"
+            )
 
-    @api.api_route("/v1/adapters/{name:path}/quota", methods=["GET", "PUT"])
-    async def adapter_quota(request: Request, name: str) -> Response:
-        return await answer(request, "adapter", name)
+
+def _route(answer: Any, kind: str) -> Any:
+    """The route function for one quota scope (its only parameters are the request and the path's name)."""
+
+    async def route(request: Request, name: str) -> Response:
+        return await answer(request, kind, name)
+
+    return route

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ def load_config(folder: Path) -> dict[str, Any]:
         raise refuse(folder, f"{CONFIG_FILE} is not valid JSON ({e}): re-save it with PEFT") from None
     if not isinstance(cfg, dict):
         raise refuse(folder, f"{CONFIG_FILE} must hold a JSON object, not {type(cfg).__name__}")
+    _check_types(folder, cfg)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise refuse(
             folder, f"peft_type is {cfg['peft_type']!r}: only LoRA adapters (peft_type LORA) are served"
@@ -101,6 +103,47 @@ def load_config(folder: Path) -> dict[str, Any]:
         if isinstance(cfg.get(key), str):  # a string is a regex (PEFT); a list holds plain names
             _check_regex(folder, key, cfg[key], cfg[key])
     return cfg
+
+
+def _is_names(v: object) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+
+def _is_layers(v: object) -> bool:
+    def one(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    return one(v) or (isinstance(v, list) and all(one(x) for x in v))
+
+
+# The JSON type of every field the readers use (PEFT's LoraConfig types); null is always allowed (PEFT's default).
+_FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "target_modules": (_is_names, "a list of module names or a regex string"),
+    "exclude_modules": (_is_names, "a list of module names or a regex string"),
+    "modules_to_save": (_is_names, "a list of module names"),
+    "layers_to_transform": (_is_layers, "a layer index or a list of layer indices"),
+    "layers_pattern": (_is_names, "a string or a list of strings"),
+    "rank_pattern": (lambda v: isinstance(v, dict), "an object mapping module patterns to ranks"),
+    "alpha_pattern": (lambda v: isinstance(v, dict), "an object mapping module patterns to alphas"),
+    "auto_mapping": (lambda v: isinstance(v, dict), "an object"),
+    "base_model_name_or_path": (lambda v: isinstance(v, str), "a string"),
+    "peft_type": (lambda v: isinstance(v, str), "a string"),
+    "task_type": (lambda v: isinstance(v, str), "a string"),
+    "bias": (lambda v: isinstance(v, str), "a string"),
+    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _check_types(folder: Path, cfg: dict[str, Any]) -> None:
+    """Refuse a field of the wrong JSON type by name, before any reader trips over it (a 400, not a 500)."""
+    for key, (ok, what) in _FIELD_TYPES.items():
+        v = cfg.get(key)
+        if v is not None and not ok(v):
+            shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:77] + "..."
+            err = refuse(folder, f"{key}={shown} must be {what} ({CONFIG_FILE})")
+            err.param = key
+            raise err
 
 
 def _check_regex(folder: Path, field: str, pattern: str, matched: str) -> None:
