@@ -9,12 +9,13 @@ with empty caches, where every adapter's first request is a miss whatever the po
 
 Policies (same replicas, same request stream, same seed):
 - ours: app/router/request_router.py's AdapterAffinityRouter calling app.router.placement.rank_replicas and
-  view_from_stats themselves (load_tests/placement_sim_ours.py explains the exact candidate pruning);
-- proposed: the same call with the change load_tests/placement_sim_proposal.py describes (bounded loads for
-  adapters the router routed within its 30 s memory, holders kept until full for the others);
-- proposed_hot: proposed plus hot-adapter replication: adapters hotter than half a replica pinned on
-  several replicas (placement_sim_ours.hot_pins); with --policies also ours_hot (pins with today's policy)
-  and ours_bounded (bounded loads for every adapter);
+  view_from_stats themselves with the default PlacementPolicy (bounded loads for adapters the router routed
+  within its 30 s memory, holders kept until full for the others; load_tests/placement_sim_ours.py explains
+  the exact candidate pruning);
+- ours_hot: ours plus pinned hot-adapter copies: adapters hotter than half a replica pinned on several
+  replicas (placement_sim_ours.hot_pins, an oracle of popularity), known to the router as catalog placement;
+- with --policies also ours_v1: the policy before issue 17 (every holder passed over at load 0.9, no bound),
+  the same code with PlacementPolicy(overload_load=0.9, balance=None);
 - ray_multiplex: Ray Serve 2.60.0 (wheel commit b7f4259e944bf6959f721b106adc366ddfa0c356), rewritten from
   python/ray/serve/_private/request_router/pow_2_router.py (PowerOfTwoChoicesRequestRouter.choose_replicas),
   python/ray/serve/_private/request_router/request_router.py (MultiplexMixin.apply_multiplex_routing,
@@ -36,7 +37,7 @@ The replica model and where its numbers come from (change any with the flags):
 - host_slots 1024 / device_slots 128: serve_config.yaml kernel.max_cpu_adapters / max_adapters; `resident`
   in the router's view is the host LRU, `free_slots` the device slots;
 - stats every 1.0 s (AppConfig.routing_stats_period_s), router memory 30 s (ASSIGNMENT_TTL_S),
-  PlacementPolicy defaults (overload_load 0.9 as serve_config.yaml, max_per_tier 4);
+  PlacementPolicy defaults (overload_load 1.0, balance 1.2, max_per_tier 4, as serve_config.yaml);
 - not modeled: KV cache (kv_usage 0), routing time, more than one router, Ray's one-load-at-a-time lock
   (every policy gets the same replicas, so only routing differs); Ray's max_num_models_per_replica = host_slots.
 
@@ -60,6 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.router.placement import PlacementPolicy
 from load_tests.placement_sim_core import (
     HIT,
     JOINED,
@@ -73,11 +75,11 @@ from load_tests.placement_sim_core import (
 )
 from load_tests.placement_sim_ours import OursPolicy, hot_pins
 from load_tests.placement_sim_policies import Pow2Policy, RandomPolicy, RayMultiplexPolicy
-from load_tests.placement_sim_proposal import BoundedLoadPolicy
 
-POLICIES = ("ours", "proposed", "proposed_hot", "ray_multiplex", "pow2", "random")
-# Also tried (--policies): hot-adapter pins with today's policy, bounded loads for every adapter.
-MORE_POLICIES = ("ours_hot", "ours_bounded")
+POLICIES = ("ours", "ours_hot", "ray_multiplex", "pow2", "random")
+# Also (--policies): the placement policy before issue 17, for comparison.
+MORE_POLICIES = ("ours_v1",)
+V1_POLICY = PlacementPolicy(overload_load=0.9, balance=None)
 RESULTS = Path(__file__).parent / "results"
 GOAL_HIT, GOAL_BALANCE, GOAL_FEWER_COLD = 0.95, 1.2, 0.30
 
@@ -86,11 +88,8 @@ def make_policy(name: str, cfg: SimConfig, w: Workload, *, exact: bool = False):
     if name in ("ours", "ours_hot"):
         pins = hot_pins(cfg, w) if name == "ours_hot" else None
         return OursPolicy(exact=exact, pins=pins, name=name)
-    if name in ("proposed", "proposed_hot"):
-        pins = hot_pins(cfg, w) if name == "proposed_hot" else None
-        return OursPolicy(BoundedLoadPolicy(), exact=exact, pins=pins, warm_s=cfg.assignment_ttl_s, name=name)
-    if name == "ours_bounded":
-        return OursPolicy(BoundedLoadPolicy(), exact=exact, name=name)
+    if name == "ours_v1":
+        return OursPolicy(V1_POLICY, exact=exact, name=name)
     if name == "ray_multiplex":
         return RayMultiplexPolicy()
     if name == "pow2":
@@ -214,7 +213,7 @@ def goals(rows: list[dict], *, cold_start: bool = False, alpha: float = 1.0) -> 
     cold_key = "avoidable_cold_loads_per_s" if cold_start else "cold_loads_per_s"
     lines = []
     for name, o in by.items():
-        if not name.startswith(("ours", "proposed")):
+        if not name.startswith("ours"):
             continue
         checks = [
             (f"{hit_key} {o[hit_key]:.1%} >= {GOAL_HIT:.0%}", o[hit_key] >= GOAL_HIT),

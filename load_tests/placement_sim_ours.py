@@ -1,10 +1,12 @@
 """Our policy in the simulator: app/router/request_router.py's AdapterAffinityRouter around the real
 `placement.rank_replicas` and `placement.view_from_stats`, with what that router sees: replica stats up to
-`stats_period_s` old, its own in-flight counts, and its 30 s memory of where it just sent each adapter.
+`stats_period_s` old, its own in-flight counts, and its 30 s memory of where it just sent each adapter (which
+is also what makes an adapter warm: routed within that memory, so the bounded-load rule applies to it).
 
 rank_replicas over all 1,000 replicas (what the real router does per request) costs milliseconds, too slow
 for 10^6 decisions on one core, so each decision ranks only the replicas that can matter. rank_replicas orders
-by (load, kv_usage, id) and its tiers are the first `max_per_tier` (m) of: holders that are not overloaded,
+by (load, kv_usage, id) and its tiers are the first `max_per_tier` (m) of: holders that are not overloaded
+(`PlacementPolicy.overloaded` with the cluster's mean load, passed to every call as `mean_load`),
 then non-holders with free slots, then slices of the rest. Hence:
 1. the m least-loaded holders, ranked alone, return the full call's first tier whenever that is the hit tier;
 2. else the m least-loaded holders, the m least-loaded non-holders with free slots and the K = 3m
@@ -44,14 +46,8 @@ class OursPolicy(_Base):
         pins: dict[int, list[str]] | None = None,
         name: str = "ours",
         prune_k: int | None = None,
-        warm_s: float | None = None,
     ) -> None:
         self.policy = policy or placement.PlacementPolicy()
-        # warm_s set: a holder is passed over for load only for adapters requested within warm_s before, whose
-        # new copy will be used again; a rare adapter stays on its holder until that is full.
-        self.warm_s = warm_s
-        self._cold_policy = placement.PlacementPolicy(1.0, self.policy.overload_kv, self.policy.max_per_tier)
-        self._last_seen: dict[str, float] = {}
         self.exact, self.pins, self.name = exact, pins or {}, name
         m = self.policy.max_per_tier
         self.k = prune_k or 3 * m
@@ -99,18 +95,9 @@ class OursPolicy(_Base):
         self.key_sum += key - self._all.key.get(r, 0)
         self._all.put(r, key)
 
-    def _call_policy(self, now: float, adapter: str) -> placement.PlacementPolicy:
-        """The policy for this call: per adapter heat with warm_s; one bounding load by the mean gets the mean."""
-        policy = self.policy
-        if self.warm_s is not None:
-            last = self._last_seen.get(adapter)
-            self._last_seen[adapter] = now
-            if last is None or now - last > self.warm_s:
-                policy = self._cold_policy
-        at_mean = getattr(policy, "at_mean_load", None)
-        if at_mean is None:
-            return policy
-        return at_mean(self.key_sum / (self.sim.cfg.replicas * self.sim.cfg.max_ongoing))
+    def mean_load(self) -> float:
+        """The cluster's mean ReplicaView.load, as rank_replicas computes it over every replica."""
+        return self.key_sum / (self.sim.cfg.replicas * self.sim.cfg.max_ongoing)
 
     def _report(self, r: int) -> None:
         """Replica r's record_routing_stats() reaches the router."""
@@ -190,9 +177,14 @@ class OursPolicy(_Base):
                 return best
         return None
 
-    def full_call(self, adapter: str, known: list[str], policy: placement.PlacementPolicy) -> list[list[str]]:
-        views = [self.view(r) for r in range(self.sim.cfg.replicas)]
-        return placement.rank_replicas([adapter], views, {adapter: known}, policy)
+    def _rank(self, adapter: str, rs, known: list[str], warm: tuple[str, ...]) -> list[list[str]]:
+        views = [self.view(r) for r in rs]
+        return placement.rank_replicas(
+            [adapter], views, {adapter: known}, self.policy, warm=warm, mean_load=self.mean_load()
+        )
+
+    def full_call(self, adapter: str, known: list[str], warm: tuple[str, ...] = ()) -> list[list[str]]:
+        return self._rank(adapter, range(self.sim.cfg.replicas), known, warm)
 
     def route(self, now: float, ctx: RouteCtx, adapter: str) -> int | None:
         cand = set(self.holders.get(adapter, ()))
@@ -206,25 +198,25 @@ class OursPolicy(_Base):
             known.extend(rid[r] for r in w)
             cand.update(w)
         self.calls += 1
-        r = self._decide(adapter, cand, known, self._call_policy(now, adapter))
+        # Warm: the router's memory still holds an assignment of it (request_router passes its keys).
+        r = self._decide(adapter, cand, known, (adapter,) if w else ())
         held = cand
         self.last_why = NO_HOLDER if not held else TO_HOLDER if r in held else SPILL
         return r
 
-    def _decide(
-        self, adapter: str, held: set[int], known: list[str], policy: placement.PlacementPolicy
-    ) -> int | None:
+    def _decide(self, adapter: str, held: set[int], known: list[str], warm: tuple[str, ...]) -> int | None:
         if self.exact:
             self.full_calls += 1
-            return self._select(self.full_call(adapter, known, policy))
-        m, key = self.policy.max_per_tier, self._all.key
+            return self._select(self.full_call(adapter, known, warm))
+        policy = self.policy
+        mean = self.mean_load() if policy.bounded([adapter], warm) else None
+        m, key = policy.max_per_tier, self._all.key
         # The hit tier is the m least-loaded holders. Ranked alone, they come back first exactly when that
         # tier is not empty (none of them overloaded), and then the full call's first tier is the same list.
         top = heapq.nsmallest(m, held, key=lambda r: (key[r], r)) if len(held) > m else list(held)
         if top:
-            tiers = placement.rank_replicas([adapter], [self.view(r) for r in top], {adapter: known}, policy)
-            first = tiers[0]
-            if all(not policy.overloaded(self.view(self.index[rid])) for rid in first):
+            first = self._rank(adapter, top, known, warm)[0]
+            if all(not policy.overloaded(self.view(self.index[rid]), mean) for rid in first):
                 r = self._select([first])
                 if r is not None:
                     return r
@@ -234,12 +226,11 @@ class OursPolicy(_Base):
         cand.update(self._free.smallest(m, skip=held))
         cand.update(self._all.smallest(self.k))
         if len(cand) < self.sim.cfg.replicas:
-            tiers = placement.rank_replicas([adapter], [self.view(r) for r in cand], {adapter: known}, policy)
-            r = self._select(tiers[: self.n_exact])
+            r = self._select(self._rank(adapter, cand, known, warm)[: self.n_exact])
             if r is not None:
                 return r
         self.full_calls += 1
-        return self._select(self.full_call(adapter, known, policy))
+        return self._select(self.full_call(adapter, known, warm))
 
     def full_call_cost_s(self, samples: int = 200) -> float:
         """Seconds one rank_replicas call over every replica takes (what the real router pays per request)."""
@@ -247,7 +238,7 @@ class OursPolicy(_Base):
         t0 = time.perf_counter()
         for a in names:
             self.views = [None] * self.sim.cfg.replicas  # the router builds every view per call
-            self.full_call(a, [], self.policy)
+            self.full_call(a, [])
         return (time.perf_counter() - t0) / max(1, len(names))
 
 

@@ -44,10 +44,128 @@ def test_base_model_goes_to_least_loaded_and_overloaded_last():
 
 
 def test_overloaded_holder_yields_to_replicas_with_free_slots():
+    # x@1 is warm (routed recently): its holder at 0.9 is past 1.2 x mean 0.5 + 1 request = 0.7.
     replicas = [R("hot", resident={"x@1"}, ongoing=9, free=5), R("cold", free=2, ongoing=1)]
-    tiers = rank_replicas(["x@1"], replicas)
+    tiers = rank_replicas(["x@1"], replicas, warm={"x@1"})
     assert tiers[0] == ["cold"]
     assert tiers[-1] == ["hot"]  # still tried before failing the request
+
+
+def test_cold_adapter_stays_on_its_holder_until_full():
+    # Not warm: a new copy would likely never be used again, so the busy holder keeps it...
+    replicas = [R("hot", resident={"x@1"}, ongoing=9, free=5), R("idle", free=2, ongoing=0)]
+    assert rank_replicas(["x@1"], replicas)[0] == ["hot"]
+    # ...until it is full (overload_load, 1.0 by default); then the least-loaded replica with room.
+    replicas = [R("hot", resident={"x@1"}, ongoing=10, free=5), R("idle", free=2, ongoing=0)]
+    assert rank_replicas(["x@1"], replicas) == [["idle"], ["hot"]]
+
+
+@pytest.mark.parametrize("holder_load, preferred", [(6, True), (7, True), (8, False), (9, False)])
+def test_warm_holder_bounded_at_balance_times_mean_plus_one_request(holder_load, preferred):
+    # 4 replicas of 10: mean load = (h + 5 + 5 + 5) / 40; the bound is 1.2 x mean + 0.1.
+    replicas = [R("h", resident={"x@1"}, ongoing=holder_load, free=1)] + [
+        R(f"o{i}", free=1, ongoing=5) for i in range(3)
+    ]
+    mean = (holder_load + 15) / 40
+    assert (holder_load / 10 < 1.2 * mean + 0.1) == preferred  # the case is on the side it claims
+    tiers = rank_replicas(["x@1"], replicas, warm={"x@1"})
+    assert (tiers[0] == ["h"]) == preferred
+    if not preferred:
+        assert tiers[0] == ["o0", "o1", "o2"] and tiers[-1] == ["h"]
+
+
+def test_mean_load_given_overrides_the_views_mean():
+    # A caller ranking a subset (the simulator) passes the cluster's mean: here a busy cluster's.
+    replicas = [R("h", resident={"x@1"}, ongoing=8, free=1), R("o", free=1, ongoing=0)]
+    assert rank_replicas(["x@1"], replicas, warm={"x@1"})[0] == ["o"]  # mean 0.4: bound 0.58
+    assert rank_replicas(["x@1"], replicas, warm={"x@1"}, mean_load=0.7)[0] == ["h"]  # bound 0.94
+
+
+def test_holders_preferred_until_their_bound_then_least_loaded_with_room():
+    replicas = [
+        R("h1", resident={"x@1"}, ongoing=3),
+        R("h2", resident={"x@1"}, ongoing=5),
+        R("full", ongoing=1, free=0),
+        R("room1", ongoing=2, free=1),
+        R("room2", ongoing=1, free=3),
+    ]
+    # mean 0.24 -> bound 0.388: h1 (0.3) is a hit, h2 (0.5) is past it.
+    tiers = rank_replicas(["x@1"], replicas, warm={"x@1"})
+    assert tiers[0] == ["h1"]
+    assert tiers[1] == ["room2", "room1"]  # no free slot: "full" waits with the rest
+    assert flat(tiers[2:]) == ["full", "h2"]
+
+
+def test_cold_adapter_goes_to_least_loaded_replica_with_free_slots():
+    replicas = [
+        R("a", ongoing=0, free=0),
+        R("b", ongoing=4, free=2),
+        R("c", ongoing=2, free=1),
+        R("d", ongoing=10, free=9),
+    ]
+    tiers = rank_replicas(["new@1"], replicas)
+    assert tiers[0] == ["c", "b"]  # d is full, a has no free slot
+    assert tiers[1:] == [["a", "d"]]
+
+
+def test_bound_off_is_the_old_fixed_threshold():
+    old = PlacementPolicy(overload_load=0.9, balance=None)
+    replicas = [R("hot", resident={"x@1"}, ongoing=9, free=5), R("cold", free=2, ongoing=1)]
+    for warm in ((), {"x@1"}):
+        assert rank_replicas(["x@1"], replicas, policy=old, warm=warm)[0] == ["cold"]
+    replicas = [R("h", resident={"x@1"}, ongoing=8, free=1), R("o", free=1, ongoing=0)]
+    assert rank_replicas(["x@1"], replicas, policy=old, warm={"x@1"})[0] == ["h"]
+
+
+def test_merge_is_bounded_only_when_every_term_is_warm():
+    p = PlacementPolicy()
+    assert p.bounded(["a@1", "b@1"], {"a@1", "b@1", "c@1"})
+    assert not p.bounded(["a@1", "b@1"], {"a@1"})
+    assert p.bounded([], ())  # the base model: plain load balancing
+    assert not PlacementPolicy(balance=None).bounded([], ())
+
+
+def _route_stream(names, replicas_n=8, cap=16, free=4, rounds=1):
+    """A router's loop over rank_replicas: each request goes to its first tier's least-busy replica, which
+    then holds the adapter; the router remembers where it sent what (its `placement` and `warm`), and nothing
+    finishes, so loads only grow. Returns (replica -> adapters held, replica -> busy)."""
+    held = {f"r{i}": set() for i in range(replicas_n)}
+    busy = dict.fromkeys(held, 0)
+    memory: dict[str, list[str]] = {}
+    for _ in range(rounds):
+        for a in names:
+            views = [
+                R(rid, resident=held[rid], ongoing=busy[rid], cap=cap, free=max(0, free - len(held[rid])))
+                for rid in held
+            ]
+            tiers = rank_replicas([a], views, memory, warm=memory.keys())
+            rid = min(tiers[0], key=lambda x: (busy[x], x))  # Ray: the shortest queue of the first tier
+            held[rid].add(a)
+            busy[rid] += 1
+            memory.setdefault(a, [])
+            if rid not in memory[a]:
+                memory[a].append(rid)
+    return held, busy
+
+
+def test_hot_adapter_is_replicated_and_cluster_load_stays_bounded():
+    # One adapter takes 60% of 96 requests on 8 replicas of 16: one holder cannot take them within the bound,
+    # so the router spreads it to more replicas, each then a holder for it.
+    stream = ["hot@1" if i % 5 < 3 else f"cold{i}@1" for i in range(96)]
+    held, busy = _route_stream(stream)
+    copies = sum("hot@1" in h for h in held.values())
+    assert copies >= 3
+    mean = sum(busy.values()) / len(busy)
+    assert max(busy.values()) <= 1.2 * mean + 1 + 1e-9
+
+
+def test_adapters_within_their_bound_keep_one_copy():
+    # Every adapter requested twice on a lightly loaded cluster: the holder is within its bound the second
+    # time, so no replica loads a second copy.
+    names = [f"a{i}@1" for i in range(16)]
+    held, _ = _route_stream(names, rounds=2, cap=64, free=64)
+    for a in names:
+        assert sum(a in h for h in held.values()) == 1
 
 
 def test_kv_pressure_counts_as_overload():
@@ -148,7 +266,14 @@ def test_view_from_stats_tolerates_missing_stats():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(overload_load=0), dict(overload_kv=0), dict(overload_kv=1.5), dict(max_per_tier=0)]
+    "kwargs",
+    [
+        dict(overload_load=0),
+        dict(overload_kv=0),
+        dict(overload_kv=1.5),
+        dict(max_per_tier=0),
+        dict(balance=0.5),
+    ],
 )
 def test_policy_rejects_nonsense(kwargs):
     with pytest.raises(ValueError):

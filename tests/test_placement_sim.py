@@ -93,7 +93,7 @@ def test_ours_calls_app_router_placement(monkeypatch, workload):
     assert calls["view"] > 0
 
 
-@pytest.mark.parametrize("name", ["ours", "proposed", "proposed_hot"])
+@pytest.mark.parametrize("name", ["ours", "ours_hot", "ours_v1"])
 def test_pruned_candidates_decide_exactly_like_the_full_call(name):
     """Ours passes rank_replicas a subset of replicas for speed; the full call must route identically."""
     # More replicas than one pruned candidate list, and full: requests wait for a free batch slot.

@@ -10,7 +10,7 @@ from typing import Any
 from app.config.kernel_config import KernelConfig
 from app.config.metrics_config import MetricsConfig
 
-ROUTER_KEYS = frozenset({"overload_load", "overload_kv", "max_per_tier", "assignment_ttl_s"})
+ROUTER_KEYS = frozenset({"overload_load", "overload_kv", "max_per_tier", "assignment_ttl_s", "balance"})
 # Ray Serve 2.60's AutoscalingConfig fields (ray.serve.config); Serve validates the values again at deploy.
 AUTOSCALING_KEYS = frozenset(
     {"min_replicas", "initial_replicas", "max_replicas", "target_ongoing_requests", "metrics_interval_s",

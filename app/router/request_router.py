@@ -4,7 +4,8 @@ The adapter (or the canonical chain/merge spec) travels as the request's multipl
 report what they hold through `record_routing_stats()`; those stats reach the router only every
 `request_routing_stats_period_s`, so the router also remembers where it just sent each adapter: a burst
 of requests for a cold adapter then lands on the one replica that is already loading it instead of
-making every replica fetch it.
+making every replica fetch it. That memory also says which adapters are warm (routed within it): placement.py
+bounds their holders' load by the cluster's mean, and keeps other adapters on their holders until full.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ class AdapterAffinityRouter(RequestRouter):
 
     def initialize_state(
         self,
-        overload_load: float = 0.9,
+        overload_load: float = 1.0,
         overload_kv: float = 0.95,
         max_per_tier: int = 4,
         assignment_ttl_s: float = ASSIGNMENT_TTL_S,
+        balance: float | None = 1.2,
         **_ignored,
     ) -> None:
-        self._policy = PlacementPolicy(overload_load, overload_kv, max_per_tier)
+        self._policy = PlacementPolicy(overload_load, overload_kv, max_per_tier, balance)
         self._assignment_ttl_s = assignment_ttl_s
         # adapter ref -> {replica unique id -> last time this router sent it there}
         self._assigned: dict[str, dict[str, float]] = {}
@@ -72,6 +74,10 @@ class AdapterAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         model_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if pending_request is not None:
+            # The tiers below cover every replica: when none of them takes the request, Ray must sleep before
+            # the next pass (the flag's default, False, makes it retry at once, again and again).
+            pending_request.routing_context.should_backoff = True
         by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = []
         for r in candidate_replicas:
@@ -85,8 +91,9 @@ class AdapterAffinityRouter(RequestRouter):
                     max_ongoing=r.max_ongoing_requests,
                 )
             )
+        recent = self._recent_placement()
         tiers = rank_replicas(
-            adapters_of(model_id) if model_id else [], views, self._recent_placement(), self._policy
+            adapters_of(model_id) if model_id else [], views, recent, self._policy, warm=recent.keys()
         )
         return [[by_uid[rid] for rid in tier] for tier in tiers]
 
