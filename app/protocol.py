@@ -30,6 +30,10 @@ _KNOWN: dict[str, type[errors.LoraLandError]] = {
 }
 _RETRYABLE = {"AdapterUnavailable", "QueueFull", "CatalogUnavailable"}
 
+# The most top log probabilities one token may ask for (completions `logprobs`, chat `top_logprobs`): vLLM's
+# default max_logprobs. The ingress refuses more with a 400; the sampler checks it again.
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -100,6 +104,19 @@ class ReplicaHello:
     replica_id: str
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token and its log probability (the model's raw distribution: see app/replica/sampling.py), as the
+    OpenAI shapes print it: `token` its text alone, `token_bytes` its exact bytes (a token may hold part of a
+    UTF-8 character). `top`: the most likely tokens at that position, most likely first (empty unless asked)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes = b""
+    top: tuple[TokenLogprob, ...] = ()
+
+
 @dataclass
 class ChoiceDelta:
     """New output of one choice (index = prompt index * n + sample index) since its previous delta."""
@@ -109,10 +126,16 @@ class ChoiceDelta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # one entry per new token when the request asked for log probabilities, else None
+    logprobs: list[TokenLogprob] | None = None
 
     def merge(self, later: ChoiceDelta) -> None:
         """Fold a later delta of the same choice into this one (coalescing, or accumulating a reply)."""
         self.text += later.text
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
         self.finish_reason = later.finish_reason or self.finish_reason
         self.prompt_tokens = later.prompt_tokens
         self.completion_tokens = later.completion_tokens

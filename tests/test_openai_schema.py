@@ -230,7 +230,7 @@ def test_sampling_and_prompts_are_shaped_for_the_kernel():
             "stream_options",
         ),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1},
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5},
             "presence_penalty",
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
@@ -272,3 +272,113 @@ def test_auth_keys_survive_a_catalog_outage():
     assert error_reply(CatalogUnavailable("x")).status == 503
     off = Authenticator(None, None, no_auth=True)
     assert off.caller(None).tenant is None and off.admin(None).admin
+
+
+# ---- sampling features (issue 18): logprobs, penalties, min_p, logit_bias, min_tokens ----------------------
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+COMP = {"model": "m", "prompt": "x"}
+
+
+def test_sampling_features_reach_the_kernel():
+    req = oa.validate(
+        oa.CompletionRequest,
+        {
+            **COMP,
+            "logprobs": 3,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.3,
+            "min_p": 0.1,
+            "logit_bias": {"7": -100, "12": 2.5},
+            "min_tokens": 2,
+            "max_tokens": 5,
+        },
+    )
+    assert oa.sampling_of(req) == {
+        "max_tokens": 5,
+        "logprobs": 3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.3,
+        "min_p": 0.1,
+        "logit_bias": {7: -100.0, 12: 2.5},
+        "min_tokens": 2,
+    }
+    assert oa.sampling_of(oa.validate(oa.CompletionRequest, {**COMP, "logprobs": 0}))["logprobs"] == 0
+    chat = oa.validate(oa.ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 4})
+    assert oa.sampling_of(chat) == {"logprobs": 4}
+    assert oa.sampling_of(oa.validate(oa.ChatRequest, {**CHAT, "logprobs": True})) == {"logprobs": 0}
+    assert "logprobs" not in oa.sampling_of(oa.validate(oa.ChatRequest, {**CHAT, "logprobs": False}))
+
+
+@pytest.mark.parametrize(
+    "cls, body, param, words",
+    [
+        (oa.CompletionRequest, {**COMP, "logprobs": 21}, "logprobs", "[0, 20]"),
+        (oa.CompletionRequest, {**COMP, "logprobs": -1}, "logprobs", "[0, 20]"),
+        (oa.CompletionRequest, {**COMP, "logprobs": True}, "logprobs", "got True"),
+        (oa.CompletionRequest, {**COMP, "logprobs": "5"}, "logprobs", "[0, 20]"),
+        (oa.ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+        (oa.ChatRequest, {**CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+        (oa.ChatRequest, {**CHAT, "logprobs": 3}, "logprobs", "boolean"),
+        (oa.CompletionRequest, {**COMP, "presence_penalty": 2.5}, "presence_penalty", "2"),
+        (oa.CompletionRequest, {**COMP, "frequency_penalty": -3}, "frequency_penalty", "-2"),
+        (oa.CompletionRequest, {**COMP, "presence_penalty": 1e308 * 10}, "presence_penalty", "2"),
+        (oa.CompletionRequest, {**COMP, "repetition_penalty": 0}, "repetition_penalty", "0"),
+        (oa.CompletionRequest, {**COMP, "min_p": 1.5}, "min_p", "1"),
+        (oa.CompletionRequest, {**COMP, "min_tokens": -1}, "min_tokens", "0"),
+        (oa.CompletionRequest, {**COMP, "min_tokens": 9, "max_tokens": 4}, "min_tokens", "max_tokens (4)"),
+        (oa.CompletionRequest, {**COMP, "logit_bias": {"x": 1}}, "logit_bias", "'x'"),
+        (oa.CompletionRequest, {**COMP, "logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
+        (oa.CompletionRequest, {**COMP, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        (oa.CompletionRequest, {**COMP, "logit_bias": {"5": "1"}}, "logit_bias", "[-100, 100]"),
+        (oa.CompletionRequest, {**COMP, "logit_bias": {"5": float("nan")}}, "logit_bias", "nan"),
+        (oa.CompletionRequest, {**COMP, "logit_bias": [1, 2]}, "logit_bias", "object"),
+        (oa.CompletionRequest, {**COMP, "echo": True}, "echo", "not supported"),
+        (oa.CompletionRequest, {**COMP, "suffix": "x"}, "suffix", "not supported"),
+    ],
+)
+def test_sampling_feature_refusals_name_the_field(cls, body, param, words):
+    with pytest.raises(InvalidRequest) as e:
+        oa.validate(cls, body)
+    assert e.value.param == param, str(e.value)
+    assert words in str(e.value), str(e.value)
+
+
+def test_logprobs_response_shapes():
+    from app.protocol import TokenLogprob
+
+    def tl(t, lp, top=()):
+        return TokenLogprob(ord(t[0]), t, lp, t.encode(), tuple(top))
+
+    entries = [tl("He", -0.5, [tl("He", -0.5), tl("A", -1.5)]), tl("llo", -0.25, [tl("y", -0.1)])]
+    comp = oa.choice_logprobs(entries, chat=False)
+    assert comp == {
+        "tokens": ["He", "llo"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"He": -0.5, "A": -1.5}, {"y": -0.1, "llo": -0.25}],  # the sampled token too
+        "text_offset": [0, 2],
+    }
+    assert oa.choice_logprobs(entries[1:], chat=False, offset=2)["text_offset"] == [2]
+    chat = oa.choice_logprobs(entries, chat=True)
+    assert chat["content"][0] == {
+        "token": "He",
+        "logprob": -0.5,
+        "bytes": [72, 101],
+        "top_logprobs": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+            {"token": "A", "logprob": -1.5, "bytes": [65]},
+        ],
+    }
+    assert oa.choice_logprobs(None, chat=True) is None
+    one = ChoiceDelta(0, "He", logprobs=entries[:1])
+    one.merge(ChoiceDelta(0, "llo", "stop", logprobs=entries[1:]))
+    body = oa.completion_response("id", "m", [one], oa.usage(1, 2), chat=False)
+    assert body["choices"][0]["logprobs"]["tokens"] == ["He", "llo"]
+    assert (
+        oa.completion_response("id", "m", [ChoiceDelta(0, "x")], oa.usage(1, 1), chat=True)["choices"][0][
+            "logprobs"
+        ]
+        is None
+    )

@@ -64,6 +64,7 @@ class ReplicaCore:
         self._gauges = replica_metrics.ReplicaGauges(self)  # read when /metrics or a snapshot collects
         metrics.COLLECTORS.append(self._gauges)
         self._metrics: Any = None  # the snapshot publisher, once started
+        self._texts: Any = None  # LogprobText, once a request asks for log probabilities
 
     def _connect(self):
         if not self.settings.redis_url:
@@ -356,7 +357,14 @@ class ReplicaCore:
                         raise exc
                     if d.finish_reason is not None:
                         remaining -= 1
-                    delta = ChoiceDelta(index, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens)
+                    delta = ChoiceDelta(
+                        index,
+                        d.text,
+                        d.finish_reason,
+                        d.prompt_tokens,
+                        d.completion_tokens,
+                        None if d.logprobs is None else self._logprob_text().convert(d.logprobs),
+                    )
                     if index in items:
                         items[index].merge(delta)
                     else:
@@ -366,6 +374,14 @@ class ReplicaCore:
         finally:
             for t in tasks:  # a client that went away aborts its sequences in the kernel
                 t.cancel()
+
+    def _logprob_text(self) -> Any:
+        """Token texts for log probabilities, from the kernel's tokenizer (built on first use, then cached)."""
+        if self._texts is None:
+            from app.replica.logprob_text import LogprobText
+
+            self._texts = LogprobText(self.kernel.tokenizer)
+        return self._texts
 
     def close(self) -> None:
         self._stop.set()

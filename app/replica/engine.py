@@ -21,7 +21,7 @@ from app.replica.kv_cache import BlockAllocator, KVCache
 from app.replica.lora.null import AdapterHooks, NullAdapters
 from app.replica.model import Model
 from app.replica.outputs import Delta, OutputProcessor
-from app.replica.sampling import NonFiniteLogits, SamplingParams, sample
+from app.replica.sampling import NonFiniteLogits, SampleLogprobs, SamplingParams, sample_with_logprobs
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
 
@@ -90,6 +90,7 @@ class Engine:
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         )
         self.outputs = OutputProcessor(tokenizer, eos, config.max_model_len)
+        self.eos_ids = frozenset(eos)  # what min_tokens masks (with each request's stop_token_ids)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -121,6 +122,12 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if outside := sorted(t for t, _ in params.logit_bias if t >= vocab):
+            err = InvalidRequest(
+                f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {vocab})"
+            )
+            err.param = "logit_bias"
+            raise err
         need = min(n + params.max_tokens, self.cfg.max_model_len)
         blocks = -(-need // self.cfg.block_size)
         if blocks > self.cfg.num_kv_blocks:
@@ -221,21 +228,23 @@ class Engine:
         fb, sampled_items = self.builder.build(batch)
         logits = self.model.forward(fb, self.kv)
         hook = self.fault_hook
-        tokens = sample(
+        tokens, logprobs = sample_with_logprobs(
             logits,
             [it.seq.params for it in sampled_items],
             [it.seq.sampler for it in sampled_items],
             None if hook is None else lambda i: hook(sampled_items[i].seq),
+            histories=[(it.seq.prompt_ids, it.seq.output_ids) for it in sampled_items],
+            stop_ids=self.eos_ids,
         )
         broken = {id(it.seq) for it, tok in zip(sampled_items, tokens) if isinstance(tok, Exception)}
         if broken:  # those sequences end here: nothing of this step is theirs to commit
             batch.items = [it for it in batch.items if id(it.seq) not in broken]
         self.scheduler.commit(batch)
-        for it, tok in zip(sampled_items, tokens):
+        for it, tok, lp in zip(sampled_items, tokens, logprobs):
             if isinstance(tok, Exception):
                 self._fail_row(it.seq, tok)
             else:
-                self._append(it.seq, tok)
+                self._append(it.seq, tok, lp)
         return True
 
     def _fail_row(self, seq: Sequence, exc: Exception) -> None:
@@ -273,8 +282,8 @@ class Engine:
             )
 
     # ------------------------------------------------------------------ outputs
-    def _append(self, seq: Sequence, tok: int) -> None:
-        delta = self.outputs.append(seq, tok)
+    def _append(self, seq: Sequence, tok: int, logprobs: SampleLogprobs | None = None) -> None:
+        delta = self.outputs.append(seq, tok, logprobs)
         if delta.finish_reason is not None:
             self.scheduler.finish(seq, delta.finish_reason)
             self.adapters.finished(seq)

@@ -27,7 +27,7 @@ from app.replica.lora.manager import AdapterManager
 from app.replica.memory import release_free_memory
 from app.replica.model import Model, resolve_dtype
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
-from app.replica.sampling import SamplingParams
+from app.replica.sampling import SampleLogprobs, SamplingParams
 
 log = logging.getLogger("loraland.kernel")
 
@@ -42,6 +42,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
+    logprobs: list[SampleLogprobs] | None = None  # one per token id, when asked (sampling's `logprobs`)
 
 
 class LLMKernel:
@@ -277,6 +278,8 @@ class LLMKernel:
                 c.token_ids.extend(d.token_ids)
                 c.text += d.text
                 c.prompt_tokens = d.prompt_tokens
+                if d.logprobs is not None:
+                    c.logprobs = (c.logprobs or []) + d.logprobs
                 if d.finish_reason is not None:
                     c.finish_reason, failures[i] = d.finish_reason, d.failure
                     done.release()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from app.protocol import Failure
-from app.replica.sampling import SamplingParams
+from app.replica.sampling import SampleLogprobs, SamplingParams
 from app.replica.sequence import Sequence
 
 
@@ -32,6 +32,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     failure: Failure | None = None  # set when the request failed (finish_reason "abort")
+    logprobs: list[SampleLogprobs] | None = None  # one per token of token_ids, when the request asked
 
 
 @dataclass
@@ -61,8 +62,9 @@ class OutputProcessor:
     def state(self, params: SamplingParams, on_delta: Callable[[Delta], None]) -> OutputState:
         return OutputState(on_delta, params.stop, max((len(s) for s in params.stop), default=1) - 1)
 
-    def append(self, seq: Sequence, tok: int) -> Delta:
-        """Add the sampled token to the sequence; the Delta's finish_reason says whether it ended."""
+    def append(self, seq: Sequence, tok: int, logprobs: SampleLogprobs | None = None) -> Delta:
+        """Add the sampled token to the sequence; the Delta's finish_reason says whether it ended. Stop strings
+        are looked for only once the output has more than min_tokens tokens (vLLM's rule)."""
         p, st = seq.params, seq.output
         seq.output_ids.append(tok)
         reason = None
@@ -73,7 +75,7 @@ class OutputProcessor:
                 reason = "length"
             self._decode(st, seq.output_ids)
         text = st.tail + st.pending
-        if st.stops:
+        if st.stops and len(seq.output_ids) > p.min_tokens:
             start = max(0, st.tail_sent - st.hold)
             hits = [(i, s) for s in st.stops if (i := text.find(s, start)) >= 0]
             if hits:
@@ -92,7 +94,8 @@ class OutputProcessor:
         st.tail, st.tail_sent = st.tail[drop:], st.tail_sent - drop
         new_ids = seq.output_ids[st.sent_tokens :]
         st.sent_tokens = len(seq.output_ids)
-        return Delta(new_text, new_ids, reason, len(seq.prompt_ids), len(seq.output_ids))
+        lps = None if logprobs is None else [logprobs]  # one delta per sampled token
+        return Delta(new_text, new_ids, reason, len(seq.prompt_ids), len(seq.output_ids), logprobs=lps)
 
     def _decode(self, st: OutputState, ids: list[int]) -> None:
         text = self.tok.decode(ids[st.prefix_offset :], skip_special_tokens=True)

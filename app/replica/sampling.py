@@ -1,4 +1,12 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seeds).
+"""Sampling parameters and the sampler (greedy, temperature, min-p, top-k, top-p, per-request seeds), with
+logits processors (logit_bias, min_tokens, repetition/frequency/presence penalties: app/replica/logits_processors.py)
+and log probabilities.
+
+Order per row, as vLLM's: logit_bias and min_tokens, then the penalties, then greedy argmax, or temperature ->
+min-p -> top-k -> top-p -> draw. Log probabilities are vLLM's default ("raw_logprobs"): log_softmax of the model's
+own logits, before any of the above, so they do not change with penalties, bias or temperature (the sampled
+token's logprob is its raw logprob even when a processor made it likely). Rows that use none of the processors
+or logprobs pay nothing for them: each stage runs only when some row of the batch needs it.
 
 Every value a request may carry is checked once, in `SamplingParams.__post_init__`, before the request enters
 the shared batch: what is accepted here the sampler can honour for any logits. What can only go wrong inside
@@ -9,12 +17,16 @@ drawing one row's token) comes back from `sample` as that row's exception, never
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 import torch
 
 from app.errors import InvalidRequest
+from app.protocol import MAX_LOGPROBS
+from app.replica.logits_processors import apply_processors
 
 # Temperatures below this are greedy (argmax): vLLM's _SAMPLING_EPS. Scaling by 1/t that small only sharpens a
 # distribution that is already one-hot to float32 precision, and 1e-300 would overflow logits / t.
@@ -22,6 +34,9 @@ SAMPLING_EPS = 1e-5
 # Seeds are signed 64-bit integers, the range vLLM's OpenAI server accepts (torch.iinfo(torch.long)).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 _F32_MAX = torch.finfo(torch.float32).max
+MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 100.0  # far beyond any useful value; bounds how far it can push a logit
+MAX_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 
 
 def _invalid(param: str, message: str) -> InvalidRequest:
@@ -63,6 +78,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top log probabilities per token (0: the sampled token's alone); None = off
+    presence_penalty: float = 0.0  # [-2, 2], over generated tokens: minus p once a token has appeared
+    frequency_penalty: float = 0.0  # [-2, 2], over generated tokens: minus f x how often it appeared
+    repetition_penalty: float = 1.0  # (0, 100], HF's: over prompt + generated tokens; 1 = off
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one (after temperature)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) and stop strings are ignored until this many
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -87,10 +109,49 @@ class SamplingParams:
             raise _invalid("stop", "stop strings must be non-empty strings")
         if not all(_is_int(x) for x in self.stop_token_ids):
             raise _invalid("stop_token_ids", "must be a list of integer token ids")
+        k = self.logprobs
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(k)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise _invalid(name, f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got {_show(v)}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or not 0 < r <= MAX_REPETITION_PENALTY:
+            raise _invalid(
+                "repetition_penalty",
+                f"must be a number in (0, {MAX_REPETITION_PENALTY}] (1 = off), got {_show(r)}",
+            )
+        m = self.min_p
+        if not _is_real(m) or not math.isfinite(m) or not 0 <= m <= 1:
+            raise _invalid("min_p", f"must be a number in [0, 1], got {_show(m)}")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0):
+                raise _invalid("logit_bias", f"keys must be token ids (integers >= 0), got {_show(pair)}")
+            b = pair[1]
+            if not _is_real(b) or not math.isfinite(b) or not -MAX_BIAS <= b <= MAX_BIAS:
+                raise _invalid(
+                    "logit_bias", f"values must be numbers in [-{MAX_BIAS}, {MAX_BIAS}], got {_show(b)}"
+                )
+        n = self.min_tokens
+        if not _is_int(n) or not 0 <= n <= self.max_tokens:
+            raise _invalid(
+                "min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {_show(n)}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @cached_property
+    def penalized(self) -> bool:
+        """Uses a penalty that needs the row's token counts."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @cached_property
+    def processed(self) -> bool:
+        """Its logits go through a processor (penalties, logit_bias, min_tokens) before sampling."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @classmethod
     def from_kwargs(cls, **kw) -> SamplingParams:
@@ -105,15 +166,36 @@ class SamplingParams:
                 kw.pop(key, None)
             else:
                 kw[key] = tuple(kw[key])
+        if isinstance(kw.get("logit_bias"), Mapping):  # {token id: bias}, as the OpenAI field (ids as ints)
+            kw["logit_bias"] = tuple(
+                (int(k) if isinstance(k, str) and k.isdecimal() else k, v)
+                for k, v in kw["logit_bias"].items()
+            )
+        elif kw.get("logit_bias") is not None:
+            kw["logit_bias"] = tuple(tuple(x) if isinstance(x, list) else x for x in kw["logit_bias"])
         kw = {k: v for k, v in kw.items() if v is not None or k == "seed"}
         return cls(**kw)
 
 
 @dataclass
 class SamplerState:
-    """Per-sequence random state: a seeded sequence draws only from its own generator."""
+    """Per-sequence sampler state: a seeded sequence draws only from its own generator; a penalized one keeps
+    its token counts (built once, then updated with each new token: logits_processors.py)."""
 
     generator: torch.Generator | None = field(default=None)
+    counts: torch.Tensor | None = None  # [V] float32: how often each token appears in the output so far
+    seen: torch.Tensor | None = None  # [V] bool: the token appears in the prompt or the output
+    counted: int = 0  # output tokens already in `counts`
+
+
+@dataclass(frozen=True)
+class SampleLogprobs:
+    """One sampled token's raw log probability and, when asked, the top ones at its position (best first)."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 class NonFiniteLogits(Exception):
@@ -125,22 +207,48 @@ def sample(
     params: list[SamplingParams],
     states: list[SamplerState],
     check: Callable[[int], None] | None = None,
+    **context,
 ) -> list[int | Exception]:
-    """logits [n, V] (any float dtype) -> per row, its token id, or the exception that failed that row alone
-    (NonFiniteLogits, or whatever drawing its token raised). `check(i)`, a test hook, runs per row first and
+    """`sample_with_logprobs` without the log probabilities."""
+    return sample_with_logprobs(logits, params, states, check, **context)[0]
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    states: list[SamplerState],
+    check: Callable[[int], None] | None = None,
+    *,
+    histories: Seq[tuple[list[int], list[int]]] | None = None,
+    stop_ids: frozenset[int] = frozenset(),
+) -> tuple[list[int | Exception], list[SampleLogprobs | None]]:
+    """logits [n, V] (any float dtype) -> per row, its token id or the exception that failed that row alone
+    (NonFiniteLogits, or whatever drawing its token raised), and its SampleLogprobs (None unless the row asked
+    for logprobs and got a token). `histories[i]`: row i's (prompt ids, output ids), read by the penalties and
+    min_tokens (needed when a row uses them); `stop_ids`: the model's EOS ids, which min_tokens masks (with
+    each row's stop_token_ids) unless the row ignores EOS. `check(i)`, a test hook, runs per row first and
     fails that row if it raises. Rows never affect each other: a failed row leaves the others' tokens, and
     their generators, exactly as they would have been without it."""
-    logits = logits.float()
+    raw = logits.float()
+    n = raw.shape[0]
+    x, bad = raw, None
+    if proc := [i for i, p in enumerate(params) if p.processed]:  # the fast path skips all of this
+        if histories is None:
+            raise ValueError("penalties, logit_bias and min_tokens need each row's token history")
+        x, bad = _processed(raw, proc, params, states, histories, stop_ids)
     # A row sum is inf/NaN if any of its logits is (argmax of a NaN row is garbage, so greedy rows count too):
     # one cheap pass over the whole tensor, one transfer with the argmax. Only the rows it flags are checked
     # element by element (a finite row's sum can overflow).
-    flag = ~torch.isfinite(logits.sum(dim=-1))
-    head = torch.stack((logits.argmax(dim=-1), flag.long())).tolist()
+    flag = ~torch.isfinite(raw.sum(dim=-1))
+    head = torch.stack((x.argmax(dim=-1), flag.long())).tolist()
     out: list[int | Exception] = list(head[0])
     if flagged := [i for i, f in enumerate(head[1]) if f]:
-        exact = (~torch.isfinite(logits[flagged]).all(dim=-1)).tolist()
+        exact = (~torch.isfinite(raw[flagged]).all(dim=-1)).tolist()
         for i in (i for i, b in zip(flagged, exact) if b):
             out[i] = NonFiniteLogits("non-finite logits (inf/NaN)")
+    for i, e in (bad or {}).items():
+        if not isinstance(out[i], Exception):
+            out[i] = e
     if check is not None:
         for i in (i for i, t in enumerate(out) if not isinstance(t, Exception)):
             try:
@@ -148,23 +256,85 @@ def sample(
             except Exception as e:
                 out[i] = e
     rows = [i for i, p in enumerate(params) if not p.greedy and not isinstance(out[i], Exception)]
-    if not rows:
-        return out
-    try:
-        probs = _probs(logits, rows, params)
-    except Exception:  # find the row at fault: each row alone (nothing random was drawn yet)
-        probs = None
-    for j, i in enumerate(rows):
+    if rows:
         try:
-            row = probs[j] if probs is not None else _probs(logits, [i], params)[0]
-            out[i] = int(torch.multinomial(row, 1, generator=_generator(states[i], params[i], row.device)))
-        except Exception as e:
-            out[i] = e
-    return out
+            probs = _probs(x, rows, params)
+        except Exception:  # find the row at fault: each row alone (nothing random was drawn yet)
+            probs = None
+        for j, i in enumerate(rows):
+            try:
+                row = probs[j] if probs is not None else _probs(x, [i], params)[0]
+                out[i] = int(
+                    torch.multinomial(row, 1, generator=_generator(states[i], params[i], row.device))
+                )
+            except Exception as e:
+                out[i] = e
+    logprobs: list[SampleLogprobs | None] = [None] * n
+    if want := [
+        i for i, p in enumerate(params) if p.logprobs is not None and not isinstance(out[i], Exception)
+    ]:
+        _logprobs(raw, want, params, out, logprobs)
+    return out, logprobs
+
+
+def _processed(
+    raw: torch.Tensor,
+    proc: list[int],
+    params: list[SamplingParams],
+    states: list[SamplerState],
+    histories: Seq[tuple[list[int], list[int]]],
+    stop_ids: frozenset[int],
+) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """The logits with rows `proc` processed (a new tensor: `raw` stays the model's, for logprobs), and the
+    rows that failed: an exception while processing one (found by redoing each row alone), or processing that
+    left no finite logit."""
+    dev = raw.device
+    bad: dict[int, Exception] = {}
+    sub = raw.index_select(0, torch.tensor(proc, device=dev))
+    try:
+        apply_processors(
+            sub, [params[i] for i in proc], [states[i] for i in proc], [histories[i] for i in proc], stop_ids
+        )
+    except Exception:
+        sub = raw.index_select(0, torch.tensor(proc, device=dev))
+        for j, i in enumerate(proc):
+            try:
+                apply_processors(sub[j : j + 1], [params[i]], [states[i]], [histories[i]], stop_ids)
+            except Exception as e:
+                bad[i] = e
+    # -inf is expected (min_tokens masks); a row whose best logit is not finite has nothing to sample.
+    broken = (~torch.isfinite(sub.amax(dim=-1))).tolist()
+    for j, i in enumerate(proc):
+        if broken[j] and i not in bad:
+            bad[i] = InvalidRequest(
+                "the sampling options (penalties, logit_bias, min_tokens) left no token with a finite logit: "
+                "relax them"
+            )
+    return raw.index_copy(0, torch.tensor(proc, device=dev), sub), bad
+
+
+def _logprobs(
+    raw: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    tokens: list[int | Exception],
+    into: list[SampleLogprobs | None],
+) -> None:
+    """Raw log probabilities of `rows`' sampled tokens and their top-k: one log_softmax, one topk, one transfer."""
+    dev = raw.device
+    lp = torch.log_softmax(raw.index_select(0, torch.tensor(rows, device=dev)), dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=dev)[:, None])[:, 0].tolist()
+    k = min(max(params[i].logprobs for i in rows), lp.shape[1])
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(rows):
+        ki = params[i].logprobs
+        into[i] = SampleLogprobs(tokens[i], chosen[j], tuple(top_i[j][:ki]), tuple(top_v[j][:ki]))
 
 
 def _probs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
-    """Unnormalized next-token probabilities of `rows` (all finite): temperature, then top-k, then top-p."""
+    """Unnormalized next-token probabilities of `rows` (each with a finite max): temperature, then min-p, then
+    top-k, then top-p."""
     dev = logits.device
     x = logits if len(rows) == logits.shape[0] else logits.index_select(0, torch.tensor(rows, device=dev))
     ps = [params[i] for i in rows]
@@ -173,6 +343,12 @@ def _probs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) 
     # softmax never sees inf - inf, nor -inf / inf, and at least one token keeps probability 1.
     x = x - x.amax(dim=-1, keepdim=True)  # a new tensor: in place from here on
     x.div_(torch.tensor([min(p.temperature, _F32_MAX) for p in ps], device=dev)[:, None])
+    if sel := [j for j, p in enumerate(ps) if p.min_p > 0]:  # min-p rows only
+        # Each row's max is 0 now, so "p < min_p * p_max" is "x < log(min_p)": no softmax needed.
+        idx = torch.tensor(sel, device=dev)
+        floor = torch.tensor([math.log(ps[j].min_p) for j in sel], device=dev)[:, None]
+        sub = x.index_select(0, idx)
+        x.index_copy_(0, idx, sub.masked_fill(sub < floor, float("-inf")))
     vocab = x.shape[1]
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
     if sel := [j for j, k in enumerate(ks) if k < vocab]:  # top-k rows only

@@ -134,7 +134,8 @@ class ReplicaStream:
             self.first_delta_at = time.monotonic()
         held = self.choices.get(item.index)
         if held is None:  # a copy: the caller may still read `item` after later deltas fold into ours
-            self.choices[item.index] = dataclasses.replace(item)
+            logprobs = None if item.logprobs is None else list(item.logprobs)
+            self.choices[item.index] = dataclasses.replace(item, logprobs=logprobs)
         else:
             held.merge(item)
         return item
