@@ -121,6 +121,20 @@ def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x2.mul_(cos).add_(x1_sin)
 
 
+def _stale_slots(b: ForwardBatch, block_size: int) -> torch.Tensor | None:
+    """Cache slots (block * block_size + offset) past each decode row's length in its own last block. They are
+    stale: a reused block's previous owner left them, maybe inf/NaN (a prefill aborted midway). Decode attention
+    reads them (and the padding, which repeats the row's first block) under a mask of weight 0, but 0 * NaN is
+    NaN, so the forward zeroes them before attention. No one else writes there: the slots are the row's own,
+    and its next tokens overwrite them."""
+    lens = b.decode_ctx_lens
+    used = lens % block_size  # 0: the last block is full
+    last = b.decode_block_tables.gather(1, ((lens - 1) // block_size)[:, None])
+    off = torch.arange(block_size, device=lens.device)[None, :]
+    slots = (last * block_size + off)[(off >= used[:, None]) & (used[:, None] > 0)]
+    return slots if slots.numel() else None
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
     """tensor name -> file, from a single safetensors file or a sharded index."""
     index = folder / "model.safetensors.index.json"
@@ -248,6 +262,7 @@ class Model:
         h = F.embedding(b.input_ids, self.embed)  # a fresh tensor: the residual stream is updated in place
         cos, sin = self._rope(b.positions)
         lora = b.lora
+        stale = _stale_slots(b, kv.k[0].shape[1]) if b.decode_idx is not None else None
         for li, L in enumerate(self.layers):
             x = _rms_norm(h, L["ln1"], c.rms_norm_eps)
             qkv = L["qkv"](x)
@@ -260,6 +275,9 @@ class Model:
             kc, vc = kv.k[li], kv.v[li]
             kc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, k)
             vc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, v)
+            if stale is not None:
+                kc.view(-1, Hkv, d).index_fill_(0, stale, 0.0)
+                vc.view(-1, Hkv, d).index_fill_(0, stale, 0.0)
             attn = self._attention(q, k, v, b, kc, vc)
             o = L["o"](attn)
             if lora is not None:
@@ -296,11 +314,12 @@ class Model:
         if b.decode_idx is not None:
             bt = b.decode_block_tables
             nb, bs = bt.shape[1], kc.shape[1]
-            keys = kc[bt].view(bt.shape[0], nb * bs, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            vals = vc[bt].view(bt.shape[0], nb * bs, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            keys = kc[bt].view(bt.shape[0], nb * bs, c.num_kv_heads, c.head_dim)  # gathered: a copy
+            vals = vc[bt].view(bt.shape[0], nb * bs, c.num_kv_heads, c.head_dim)
             pos = torch.arange(nb * bs, device=q.device)[None, :]
             lens = b.decode_ctx_lens[:, None]
             mask = pos < lens
+            keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)
             if win is not None:
                 mask &= pos >= lens - win
             qd = q.index_select(0, b.decode_idx)[:, :, None, :]  # [Bd, H, 1, d]
