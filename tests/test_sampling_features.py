@@ -22,6 +22,7 @@ from app.replica.logits_processors import apply_processors
 from app.replica.sampling import SamplerState, SamplingParams, sample, sample_with_logprobs
 from loraland import LLMKernel
 from tests.fixtures.adapters import SPECS_BY_NAME, make_adapter_set, peft_model_with
+from tests.fixtures.services import redis_server  # noqa: F401
 from tests.hf_oracle import hf_greedy
 
 PROMPTS = ["the quick brown fox", "hello world, this is lora land", "0123456789 + - * / = ( )"]
@@ -214,8 +215,19 @@ ROWS = [
 ]
 
 
-def test_mixed_batch_rows_get_what_they_get_alone(case):
+def test_mixed_batch_rows_get_what_they_get_alone(case, monkeypatch):
+    from app.replica import engine
+
     k, _, prompts = case
+    steps = []  # per step: how many rows used a processor, logprobs, neither
+
+    def spy(logits, params, *a, **kw):
+        steps.append(
+            (sum(p.processed for p in params), sum(p.logprobs is not None for p in params), len(params))
+        )
+        return sample_with_logprobs(logits, params, *a, **kw)
+
+    monkeypatch.setattr(engine, "sample_with_logprobs", spy)
 
     async def one(i, adapter, kw):
         toks, lps = [], []
@@ -230,7 +242,10 @@ def test_mixed_batch_rows_get_what_they_get_alone(case):
     async def alone():
         return [await one(i, a, kw) for i, (a, kw) in enumerate(ROWS)]
 
-    mixed, single = asyncio.run(together()), asyncio.run(alone())
+    mixed = asyncio.run(together())
+    assert max(n for _, _, n in steps) == len(ROWS)  # all rows did share steps
+    assert any(0 < proc < n and 0 < lp < n for proc, lp, n in steps)
+    single = asyncio.run(alone())
     for (a, kw), (t1, l1), (t2, l2) in zip(ROWS, mixed, single):
         assert t1 == t2, (a, kw)
         assert len(l1) == (len(t1) if "logprobs" in kw else 0) == len(l2)
@@ -343,3 +358,147 @@ def test_new_values_the_sampler_cannot_honour_are_refused(kw, field, words):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams.from_kwargs(**kw)
     assert e.value.param == field and words in str(e.value), str(e.value)
+
+
+# ---- HTTP: the OpenAI shapes through the in-process stack, with the openai SDK ------------------------------
+
+
+@pytest.fixture(scope="module")
+def http(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
+    from tests.fixtures.inproc_stack import InprocStack
+
+    root = tmp_path_factory.mktemp("sf-http-adapters")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LORALAND_LOCAL_ROOTS", str(root))
+        mp.setenv("LORALAND_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        s = InprocStack(redis_server, llama_dir, root)
+    yield s
+    s.close()
+
+
+def sdk(stack, fn):
+    import httpx
+    import openai
+
+    async def go():
+        client_http = httpx.AsyncClient(transport=httpx.ASGITransport(app=stack.api), timeout=120)
+        async with openai.AsyncOpenAI(
+            api_key=stack.keys["alpha"], base_url="http://ll/v1", http_client=client_http
+        ) as client:
+            return await fn(client)
+
+    return asyncio.run(go())
+
+
+def test_http_completions_logprobs_streaming_and_not(http):
+    prompt, n = "the quick brown fox", 6
+
+    async def go(client):
+        kw = dict(model="pub", prompt=prompt, max_tokens=n, logprobs=3, extra_body={"ignore_eos": True})
+        whole = await client.completions.create(**kw)
+        chunks = [c async for c in await client.completions.create(**kw, stream=True)]
+        return whole, chunks
+
+    whole, chunks = sdk(http, go)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    ref = http.kernel.complete([prompt], ["pub@1"], max_tokens=n, ignore_eos=True, logprobs=3)[0]
+    assert len(lp.tokens) == n and "".join(lp.tokens) == choice.text == ref.text
+    assert max(abs(a - b.logprob) for a, b in zip(lp.token_logprobs, ref.logprobs)) < 1e-5
+    texts = [http.kernel.tokenizer.decode([t]) for t in ref.token_ids]
+    assert lp.tokens == texts
+    assert lp.text_offset == [sum(len(t) for t in texts[:i]) for i in range(n)]
+    for tok, top, s in zip(lp.tokens, lp.top_logprobs, ref.logprobs):
+        # keyed by token text: the top 3 and the sampled token (tokens of one text, e.g. partial UTF-8, share)
+        assert set(top) == {http.kernel.tokenizer.decode([t]) for t in s.top_ids} | {tok}
+        assert top[tok] == pytest.approx(s.logprob, abs=1e-5)  # greedy: the likeliest of its text
+    assert whole.usage.completion_tokens == n
+    # streamed: the same tokens, logprobs and offsets, spread over the chunks
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert (
+        max(abs(a - b) for a, b in zip([x for s in streamed for x in s.token_logprobs], lp.token_logprobs))
+        < 1e-5
+    )
+    assert [x for s in streamed for x in s.text_offset] == lp.text_offset
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+
+
+def test_http_chat_logprobs_and_top_logprobs_streaming_and_not(http):
+    messages = [{"role": "user", "content": "hello world"}]
+
+    async def go(client):
+        kw = dict(model="tiny-llama", messages=messages, max_tokens=5, logprobs=True, top_logprobs=2)
+        whole = await client.chat.completions.create(**kw)
+        chunks = [c async for c in await client.chat.completions.create(**kw, stream=True)]
+        plain = await client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=5)
+        return whole, chunks, plain
+
+    whole, chunks, plain = sdk(http, go)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 5 and "".join(e.token for e in content) == whole.choices[0].message.content
+    for e in content:
+        # exact bytes: a token may hold part of a UTF-8 character, which its text shows as U+FFFD
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token and len(e.top_logprobs) == 2
+        assert "\ufffd" in e.token or e.bytes == list(e.token.encode())
+        assert e.top_logprobs[0].token == e.token  # greedy: the sampled token is the most likely
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # a second run may read the prompt's KV from the prefix cache: the same numbers to float32 rounding
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-5
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_http_penalties_and_bias_match_the_kernel(http):
+    prompt = "hello world, this is lora land"
+    kw = dict(presence_penalty=1.5, frequency_penalty=0.5, min_tokens=3, logit_bias={"17": 3.0})
+
+    async def go(client):
+        extra = {"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 3}
+        return await client.completions.create(
+            model="pub",
+            prompt=prompt,
+            max_tokens=10,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+            logit_bias={"17": 3.0},
+            extra_body=extra,
+        )
+
+    got = sdk(http, go)
+    kw = dict(kw, logit_bias={17: 3.0}, repetition_penalty=1.3, min_p=0.1, ignore_eos=True)
+    assert got.choices[0].text == http.kernel.complete([prompt], ["pub@1"], max_tokens=10, **kw)[0].text
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("completions", {"logprobs": 21}, "logprobs"),
+        ("completions", {"echo": True, "logprobs": 1}, "echo"),
+        ("completions", {"logit_bias": {"999999": 5}}, "logit_bias"),
+        ("completions", {"logit_bias": {"5": 500}}, "logit_bias"),
+        ("completions", {"repetition_penalty": -1}, "repetition_penalty"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"top_logprobs": 3}, "top_logprobs"),
+        ("chat", {"presence_penalty": 3}, "presence_penalty"),
+    ],
+)
+def test_http_refusals_name_the_field(http, route, body, param):
+    base = (
+        {"model": "tiny-llama", "prompt": "x"}
+        if route == "completions"
+        else {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}]}
+    )
+
+    async def go(client):
+        path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+        return await client.post(path, json={**base, "max_tokens": 2, **body}, headers=http.headers("alpha"))
+
+    r = http.run(go)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

@@ -371,8 +371,9 @@ def choice_logprobs(entries: Sequence[TokenLogprob] | None, chat: bool, offset: 
     for e in entries:
         tokens.append(e.token)
         token_logprobs.append(e.logprob)
-        top = {t.token: t.logprob for t in e.top}
-        top.setdefault(e.token, e.logprob)
+        top: dict[str, float] = {}
+        for t in (*e.top, e):  # keyed by text: of tokens with the same text, the likeliest one shows
+            top.setdefault(t.token, t.logprob)
         top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(e.token)
