@@ -40,6 +40,7 @@ class StackConfig:
     adapters: int = 10  # warm adapters ad00.. (public), used by the load from the start
     cold: int = 4  # cold00..: registered, first used while S3 is down
     max_adapters: int = 4  # device slots per replica: fewer than the adapters, so they move
+    max_cpu_adapters: int | None = None  # host cache per replica; None: the kernel's default (at least 64)
     max_batch_size: int = 16
     max_tokens: int = 8
     request_timeout_s: float = 60.0
@@ -195,6 +196,7 @@ class LocalStack:
             admin_token=ADMIN,
             kernel={
                 "max_adapters": self.cfg.max_adapters,
+                "max_cpu_adapters": self.cfg.max_cpu_adapters,
                 "max_batch_size": self.cfg.max_batch_size,
                 "dtype": "float32",
             },  # fmt: skip

@@ -145,3 +145,30 @@ def test_cli_quick_writes_json_and_table(tmp_path, capsys):
     assert (tmp_path / "placement_sim.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "ray_multiplex" in out and "issue 17 goals" in out
+
+
+def test_real_check_replays_one_stream_and_reads_cold_loads():
+    """load_tests/placement_real_check.py (the real 2-replica run is a benchmark, not a test): the stream it
+    replays does not change when the measured service time does, and it sums loads + reloads per replica."""
+    import argparse
+
+    from load_tests.placement_real_check import cold_loads, stream_config
+
+    a = argparse.Namespace(
+        requests=300, adapters=40, alpha=1.0, rate=8.0, device_slots=4, host_slots=8, seed=0
+    )
+    w1 = Workload.make(stream_config(a, 1.0, 0.05))
+    w2 = Workload.make(stream_config(a, 0.3, 0.02))
+    assert w1.adapter == w2.adapter
+    assert w1.arrival_s == pytest.approx(w2.arrival_s)
+    assert len(w1.arrival_s) / w1.arrival_s[-1] == pytest.approx(8.0, rel=0.2)
+    text = "\n".join(
+        [
+            "# TYPE loraland_adapter_loads counter",
+            'loraland_adapter_loads_total{adapter="a",source="s3",replica="r1"} 3',
+            'loraland_adapter_loads_total{adapter="b",source="disk",replica="r2"} 1',
+            'loraland_adapter_reloads_total{adapter="a",replica="r1"} 2.0',
+            'loraland_adapter_load_seconds_count{source="s3",replica="r1"} 3',
+        ]
+    )
+    assert cold_loads(text) == {"r1": 5.0, "r2": 1.0}
