@@ -179,6 +179,14 @@ def test_push_list_show_version_pin_rm_and_tenants(cli, env, bucket, tmp_path, m
     assert [(t["name"], t["adapters"]) for t in tenants] == [("acme", 1), ("globex", 0)]
     assert all("key_hash" not in t for t in tenants)
     assert cli("tenants", "list").stdout.splitlines()[1].split()[:2] == ["acme", "1"]
+    # Fair-share weights: set, listed, reset; bad ones refused before the catalog is touched.
+    assert cli.json("tenants", "set-weight", "acme", "2.5") == {"name": "acme", "weight": 2.5}
+    assert {t["name"]: t.get("weight") for t in cli.json("tenants", "list")} == {"acme": 2.5, "globex": None}
+    assert cli("tenants", "list").stdout.splitlines()[1].split()[:3] == ["acme", "1", "2.5"]
+    assert "unknown tenant 'nobody'" in cli.error("tenants", "set-weight", "nobody", "2")
+    cli("tenants", "set-weight", "acme", "0", rc=2)  # argparse: outside [0.01, 100]
+    cli("tenants", "set-weight", "globex", "none")
+    assert "weight" not in cli.json("tenants", "list")[1]
     new_key = cli.json("tenants", "rotate-key", "acme")["api_key"]
     with Catalog(env["LORALAND_REDIS_URL"]) as cat:
         assert cat.tenant_for_key(new_key) == "acme" and cat.tenant_for_key(key) is None

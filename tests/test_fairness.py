@@ -20,11 +20,13 @@ from collections import defaultdict
 import pytest
 
 from app.config.kernel_config import KernelConfig
+from app.errors import InvalidRequest
 from app.replica.fairness import W_OUTPUT, W_PROMPT, VirtualTokenCounter, make_policy
 from app.replica.kv_cache import BlockAllocator
 from app.replica.sampling import SamplingParams
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
+from tests.fixtures.services import redis_server  # noqa: F401
 
 
 class Sim:
@@ -407,3 +409,31 @@ def test_tenant_travels_from_the_caller_to_the_kernel(monkeypatch):
     core.catalog = TenantCatalog([{"name": "alpha", "weight": "lots"}])
     core.sync_tenant_weights()  # a bad record is logged, and the weights stay
     assert kernel.weights == {"alpha": 3.0}
+
+
+def test_weights_set_in_the_catalog_reach_the_replica(redis_server, monkeypatch):  # noqa: F811
+    """`loraland tenants set-weight` writes the tenant record (a real Redis); a replica's heartbeat-time sync
+    hands the weights to its kernel, and a reset weighs 1 again."""
+    import uuid
+
+    from app.catalog.store import Catalog
+    from app.config.app_config import AppConfig
+    from app.replica.core import ReplicaCore
+
+    monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
+    with Catalog(redis_server, namespace=f"w{uuid.uuid4().hex[:8]}") as cat:
+        for t in ("alpha", "beta"):
+            cat.create_tenant(t)
+        kernel = TenantKernel()
+        core = ReplicaCore(AppConfig(model="m", redis_url=None), "r1", kernel=kernel, catalog=None)
+        core.catalog = cat
+        cat.set_tenant_weight("alpha", 4)
+        core.sync_tenant_weights()
+        assert kernel.weights == {"alpha": 4.0}
+        cat.set_tenant_weight("alpha", None)
+        cat.set_tenant_weight("beta", 0.5)
+        core.sync_tenant_weights()
+        assert kernel.weights == {"beta": 0.5}
+        for bad in (0, 1000, float("nan"), True, "2"):
+            with pytest.raises(InvalidRequest, match="weight"):
+                cat.set_tenant_weight("beta", bad)

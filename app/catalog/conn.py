@@ -65,7 +65,7 @@ class CatalogConnection:
 
     SCRIPTS = (
         "REGISTER", "GET", "REMOVE", "PIN",  # registry.py
-        "CREATE_TENANT", "ROTATE_KEY",  # tenants.py
+        "CREATE_TENANT", "ROTATE_KEY", "SET_TENANT_WEIGHT",  # tenants.py
         "HEARTBEAT", "REPLICAS", "PLACEMENT", "DROP_REPLICA",  # replicas.py
     )  # fmt: skip
 

@@ -106,6 +106,16 @@ redis.call('PUBLISH', ARGV[5], cjson.encode({type = 'key_rotated', tenant = ARGV
 return 1
 """
 
+SET_TENANT_WEIGHT = """
+-- KEYS: tenants hash; ARGV: name, weight (a number; 'none' removes it). 0 if unknown tenant.
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local t = cjson.decode(raw)
+if ARGV[2] == 'none' then t.weight = nil else t.weight = tonumber(ARGV[2]) end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(t))
+return 1
+"""
+
 # Shared by the placement scripts: server-clock milliseconds, and forgetting a replica everywhere.
 _PLACEMENT_LIB = """
 local function now_ms()

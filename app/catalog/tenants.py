@@ -40,6 +40,10 @@ def _new_key() -> tuple[str, str, str]:
     return key, hash_api_key(key), key[:7]
 
 
+# A weight's bounds: wide enough for any real ratio of shares, narrow enough that counters stay well-scaled.
+MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0
+
+
 class TenantDirectory(CatalogConnection):
     """Mixed into Catalog (app/catalog/store.py)."""
 
@@ -69,6 +73,24 @@ class TenantDirectory(CatalogConnection):
         return key
 
     @guard
+    def set_tenant_weight(self, name: str, weight: float | None) -> None:
+        """The tenant's fair share in the replicas' VTC scheduler (app/replica/fairness.py): a tenant of weight 2
+        is served twice the tokens of one of weight 1 while both are backlogged. None: the default, 1. Replicas
+        read it with their heartbeat (every heartbeat_s)."""
+        check_tenant(name)
+        if weight is not None and (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not MIN_WEIGHT <= weight <= MAX_WEIGHT
+        ):
+            raise InvalidRequest(
+                f"weight: must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {weight!r}"
+            )
+        arg = "none" if weight is None else repr(float(weight))
+        if not int(self._scripts["SET_TENANT_WEIGHT"](keys=[self._k("tenants")], args=[name, arg])):
+            raise InvalidRequest(f"unknown tenant {name!r}: create it with `loraland tenants create {name}`")
+
+    @guard
     def delete_tenant(self, name: str) -> None:
         """Delete a tenant and its API key (refused at once on every ingress). Adapters it registered stay in
         the catalog, usable by nobody but the admin until removed (`loraland adapters rm`)."""
@@ -85,7 +107,8 @@ class TenantDirectory(CatalogConnection):
 
     @guard
     def list_tenants(self) -> list[dict]:
-        """[{name, created, key_hint, rotated}] sorted by name; key hashes are not returned."""
+        """[{name, created, key_hint, rotated, weight}] sorted by name (rotated, weight only when set); key hashes
+        are not returned."""
         rows = [json.loads(v) for v in self._r.hgetall(self._k("tenants")).values()]
         return sorted(
             ({k: v for k, v in t.items() if k != "key_hash"} for t in rows), key=lambda t: t["name"]

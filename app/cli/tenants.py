@@ -1,5 +1,5 @@
 """`loraland tenants ...`: create tenants, list them, rotate their API keys (a key is printed once, when made),
-and set or show the quotas of tenants and adapters (app/catalog/quotas.py; no quota is unlimited)."""
+set their fair-share weights, and set or show the quotas of tenants and adapters (app/catalog/quotas.py; no quota is unlimited)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import time
 from typing import Any
 
+from app.catalog.tenants import MAX_WEIGHT, MIN_WEIGHT
 from app.cli.output import catalog_from_args, json_option, print_json, table
 
 
@@ -27,6 +28,16 @@ def register(subparsers: Any) -> None:
     p = t.add_parser("delete", parents=[js], help="delete NAME and its API key (refused at once everywhere)")
     p.add_argument("name")
     p.set_defaults(func=cmd_tenant_delete)
+    p = t.add_parser(
+        "set-weight",
+        parents=[js],
+        help="NAME's fair share in the replicas' scheduler (default 1; 'none' resets it)",
+        description="With scheduling_policy vtc, a tenant of weight 2 gets twice the tokens of a tenant of "
+        "weight 1 while both are backlogged. Replicas pick a change up with their next heartbeat.",
+    )
+    p.add_argument("name")
+    p.add_argument("weight", type=_weight, metavar="W|none")
+    p.set_defaults(func=cmd_set_weight)
     p = t.add_parser(
         "set-quota",
         parents=[js],
@@ -60,6 +71,18 @@ def _limit(text: str) -> object:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'none'") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'none'")
+    return value
+
+
+def _weight(text: str) -> float | None:
+    if text.lower() in ("none", "default"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'none'") from None
+    if not MIN_WEIGHT <= value <= MAX_WEIGHT:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]")
     return value
 
 
@@ -101,6 +124,16 @@ def cmd_tenant_delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_set_weight(args: argparse.Namespace) -> int:
+    catalog_from_args(args).set_tenant_weight(args.name, args.weight)
+    weight = 1.0 if args.weight is None else args.weight
+    if args.json:
+        print_json({"name": args.name, "weight": weight})
+    else:
+        print(f"tenant {args.name}: weight {weight:g} (replicas apply it with their next heartbeat)")
+    return 0
+
+
 def cmd_tenant_list(args: argparse.Namespace) -> int:
     catalog = catalog_from_args(args)
     tenants = catalog.list_tenants()
@@ -118,13 +151,14 @@ def cmd_tenant_list(args: argparse.Namespace) -> int:
         [
             t["name"],
             t["adapters"],
+            f"{t.get('weight', 1.0):g}",
             t.get("key_hint", "") + "...",
             time.strftime(fmt, time.localtime(t["created"])),
             time.strftime(fmt, time.localtime(t["rotated"])) if t.get("rotated") else None,
         ]
         for t in tenants
     ]
-    table(["NAME", "ADAPTERS", "KEY", "CREATED", "ROTATED"], rows)
+    table(["NAME", "ADAPTERS", "WEIGHT", "KEY", "CREATED", "ROTATED"], rows)
     return 0
 
 
