@@ -220,8 +220,9 @@ class LocalStack:
             import ray
             from ray import serve
 
-            with contextlib.suppress(Exception):
-                serve.shutdown()
+            if ray.is_initialized():  # else serve.shutdown() would start connecting to a cluster that is not
+                with contextlib.suppress(Exception):  # there, and wait for its GCS without end
+                    serve.shutdown()
             ray.shutdown()
         with contextlib.suppress(Exception):
             self.catalog.close()

@@ -2,7 +2,7 @@
 adapter, by name, by version, in a chain, in a merge, streaming or not, on either generate route, answers
 exactly as a name that does not exist (same status, code, param, and message up to the name the caller sent);
 listings and admin routes say nothing either; and no answer ever names an adapter the caller did not send. Also:
-repeated bad API keys are throttled (not yet: xfail, app/router/auth.py).
+repeated bad API keys are throttled (app/router/auth.py BadKeyThrottle).
 
 In-process stack (tests/fixtures/inproc_stack.py): tenants alpha and beta, `pub` public, `a-private` alpha's,
 `b-private` and `b-secret-xyz` beta's."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.router.auth import BAD_KEY_BURST
 from tests.fixtures.inproc_stack import InprocStack, openai_error
 from tests.fixtures.services import redis_server  # noqa: F401
 
@@ -110,11 +111,15 @@ def test_listings_and_admin_routes_say_nothing_about_other_tenants(stack):
     assert stack.catalog.get(FOREIGN) is not None  # the DELETE with alpha's key removed nothing
 
 
-@pytest.mark.xfail(
-    reason="not implemented: app/router/auth.py answers every bad key with 401, never throttles"
-)
 def test_repeated_bad_api_keys_are_throttled(stack):
+    """BAD_KEY_BURST unknown keys from one address, then 429 + Retry-After without a catalog lookup; a key the
+    ingress has seen valid still passes from the same address (as for a client behind the guesser's NAT)."""
+
     async def go(client):
+        first = await client.post(
+            "/v1/completions", json=_body(False, "pub", False), headers=stack.headers("alpha")
+        )
+        assert first.status_code == 200, first.text
         bad = [
             await client.post(
                 "/v1/completions",
@@ -134,3 +139,25 @@ def test_repeated_bad_api_keys_are_throttled(stack):
     throttled = [r for r in bad if r.status_code == 429]
     assert throttled, "50 bad keys in a row, never a 429"
     assert throttled[0].headers.get("Retry-After") and openai_error(throttled[0].json()) is None
+    assert throttled[0].json()["error"]["code"] == "too_many_invalid_keys"
+    assert [r.status_code for r in bad[:BAD_KEY_BURST]] == [401] * BAD_KEY_BURST
+    assert all(r.status_code == 429 for r in bad[BAD_KEY_BURST + 1 :])  # ~1 refill a second at most
+
+
+def test_bad_key_throttle_refills_at_its_rate(monkeypatch):
+    from app.router import auth
+
+    now = [1000.0]
+    monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])
+    t = auth.BadKeyThrottle(burst=3, per_s=0.5, max_sources=2)
+    for _ in range(3):
+        assert t.wait_s("a") == 0
+        t.failed("a")
+    assert t.wait_s("a") == pytest.approx(2.0) and t.wait_s("b") == 0 and t.wait_s(None) == 0
+    now[0] += 1.0
+    assert t.wait_s("a") == pytest.approx(1.0)
+    now[0] += 1.0
+    assert t.wait_s("a") == 0
+    t.failed("b")
+    t.failed("c")  # over max_sources: the least recently failing ("a") is forgotten, so it starts full
+    assert list(t._buckets) == ["b", "c"] and t.wait_s("a") == 0

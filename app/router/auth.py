@@ -4,6 +4,10 @@ A rotated or deleted key stops working at once on every ingress: the catalog pub
 `tenant_deleted` on its pub/sub channel and each Authenticator drops that tenant's cached keys when it hears it.
 Pub/sub is fire-and-forget (an event sent while the listener is reconnecting is lost), so a cached key is also
 trusted for at most KEY_CACHE_TTL_S: that is the bound on how long an old key can keep working anywhere.
+
+Guessing is throttled (BadKeyThrottle): each source address may fail BAD_KEY_BURST times, then once per
+1 / BAD_KEY_PER_S seconds; past that, a key this ingress has not seen valid gets 429 with Retry-After and no
+catalog lookup, while keys it has seen valid still pass (a client behind the same NAT as a guesser keeps working).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from app.router.http_errors import HTTPFailure
 
@@ -26,6 +30,8 @@ log = logging.getLogger("loraland.auth")
 KEY_CACHE_TTL_S = 2.0
 WATCH_RETRY_S = 5.0  # how often to retry subscribing to key-change events while the catalog is away
 KEY_EVENTS = frozenset({"key_rotated", "tenant_deleted"})
+BAD_KEY_BURST = 20  # failed authentications a source address may make at once ...
+BAD_KEY_PER_S = 1.0  # ... and then this many a second
 
 
 class KeyLookup(Protocol):
@@ -52,6 +58,44 @@ def _bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+class BadKeyThrottle:
+    """A token bucket of failed authentications per source address (at most `max_sources` remembered, the
+    least recently failing forgotten first)."""
+
+    def __init__(self, burst: int = BAD_KEY_BURST, per_s: float = BAD_KEY_PER_S, max_sources: int = 10_000):
+        self.burst, self.per_s, self.max_sources = burst, per_s, max_sources
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # source -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def _tokens(self, source: str, now: float) -> float:
+        tokens, at = self._buckets.get(source, (float(self.burst), now))
+        return min(float(self.burst), tokens + (now - at) * self.per_s)
+
+    def wait_s(self, source: str | None) -> float:
+        """Seconds until `source` may try another unknown key; 0: now."""
+        if source is None:
+            return 0.0
+        with self._lock:
+            tokens = self._tokens(source, time.monotonic())
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.per_s
+
+    def failed(self, source: str | None) -> None:
+        if source is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._buckets[source] = (max(0.0, self._tokens(source, now) - 1.0), now)
+            self._buckets.move_to_end(source)
+            while len(self._buckets) > self.max_sources:
+                self._buckets.popitem(last=False)
+
+
+def source_of(request: Any) -> str | None:
+    """The peer address of a Starlette request (Serve's proxy passes the client's through)."""
+    client = getattr(request, "client", None)
+    return client.host if client is not None else None
 
 
 class Authenticator:
@@ -82,6 +126,7 @@ class Authenticator:
         self._generation = 0  # bumped by every key event: a lookup that raced one is not cached
         self._closed = threading.Event()
         self._unwatch: Callable[[], None] | None = None
+        self.throttle = BadKeyThrottle()
         if no_auth:
             log.warning(
                 "AUTHENTICATION IS OFF (--no-auth): every caller can use every adapter and the admin routes. "
@@ -166,8 +211,31 @@ class Authenticator:
                     self._cache.popitem(last=False)
         return tenant
 
-    def caller(self, authorization: str | None) -> Caller:
-        """The caller behind an Authorization header; 401 when it is missing or unknown."""
+    def caller_for(self, request: Any) -> Caller:
+        """caller() for a Starlette request: its Authorization header, throttled by its source address."""
+        return self.caller(request.headers.get("authorization"), source=source_of(request))
+
+    def admin_for(self, request: Any) -> Caller:
+        """admin() for a Starlette request."""
+        return self.admin(request.headers.get("authorization"), source=source_of(request))
+
+    def _check_throttle(self, token: str, source: str | None) -> None:
+        """429 for a key this ingress has not seen valid, from a source that has failed too often."""
+        with self._lock:
+            known = token in self._cache  # valid when last looked up (maybe longer ago than the TTL)
+        wait = 0.0 if known else self.throttle.wait_s(source)
+        if wait > 0:
+            raise HTTPFailure(
+                429,
+                f"too many invalid API keys from this address: retry in {max(1, round(wait))} s with a valid key",
+                type="rate_limit_error",
+                code="too_many_invalid_keys",
+                retry_after_s=wait,
+            )
+
+    def caller(self, authorization: str | None, source: str | None = None) -> Caller:
+        """The caller behind an Authorization header; 401 when it is missing or unknown, 429 when `source` (the
+        peer address) has sent too many unknown keys (BadKeyThrottle)."""
         if self.no_auth:
             return _ANONYMOUS
         token = _bearer(authorization)
@@ -179,8 +247,10 @@ class Authenticator:
             )
         if self._is_admin_token(token):
             return _ANONYMOUS
+        self._check_throttle(token, source)
         tenant = self._tenant(token)
         if tenant is None:
+            self.throttle.failed(source)
             raise HTTPFailure(
                 401,
                 "invalid API key: check the key or ask the operator for a new one",
@@ -188,7 +258,7 @@ class Authenticator:
             )
         return Caller(tenant=tenant)
 
-    def admin(self, authorization: str | None) -> Caller:
+    def admin(self, authorization: str | None, source: str | None = None) -> Caller:
         """The admin caller; 401 without credentials or with a token that is nobody's, 403 for a tenant key
         or when admin routes are off."""
         if self.no_auth:
@@ -209,11 +279,13 @@ class Authenticator:
                 type="permission_error",
                 code="admin_disabled",
             )
+        self._check_throttle(token, source)
         try:
             tenant = self._tenant(token)
         except Exception:  # the catalog is away; the token is not the admin token either way
             tenant = None
         if tenant is None:
+            self.throttle.failed(source)
             raise HTTPFailure(
                 401,
                 "invalid admin token: this route needs 'Authorization: Bearer <LORALAND_ADMIN_TOKEN>'",

@@ -78,7 +78,7 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
             raise
 
     async def answer(request: Request, chat: bool, obs: RequestObserver) -> Response:
-        caller = auth.caller(request.headers.get("authorization"))
+        caller = auth.caller_for(request)
         obs.caller(caller)
         req = oa.validate(
             oa.ChatRequest if chat else oa.CompletionRequest, oa.parse_body(await request.body())
@@ -121,32 +121,32 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     @api.get("/v1/models")
     @guarded
     async def models(request: Request) -> Response:
-        caller = auth.caller(request.headers.get("authorization"))
+        caller = auth.caller_for(request)
         return JSONResponse(await service.models(caller))
 
     @api.get("/v1/placement")
     @guarded
     async def placement(request: Request) -> Response:
-        auth.admin(request.headers.get("authorization"))
+        auth.admin_for(request)
         return JSONResponse(await service.placement())
 
     @api.post("/v1/adapters")
     @guarded
     async def add_adapter(request: Request) -> Response:
-        auth.admin(request.headers.get("authorization"))
+        auth.admin_for(request)
         return JSONResponse(await service.register(oa.parse_body(await request.body())), status_code=201)
 
     @api.get("/v1/adapters")
     @guarded
     async def list_adapters(request: Request) -> Response:
-        auth.admin(request.headers.get("authorization"))
+        auth.admin_for(request)
         records = await asyncio.to_thread(lambda: service.catalog.get().list(None))
         return JSONResponse({"object": "list", "data": [r.to_dict() for r in records]})
 
     @api.get("/v1/adapters/{name:path}")
     @guarded
     async def get_adapter(request: Request, name: str) -> Response:
-        auth.admin(request.headers.get("authorization"))
+        auth.admin_for(request)
         record = await asyncio.to_thread(lambda: service.catalog.get().get(name))
         if record is None:
             from app.errors import UnknownAdapter
@@ -157,7 +157,7 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     @api.delete("/v1/adapters/{name:path}")
     @guarded
     async def delete_adapter(request: Request, name: str) -> Response:
-        auth.admin(request.headers.get("authorization"))
+        auth.admin_for(request)
         removed = await asyncio.to_thread(lambda: service.catalog.get().remove(name))
         service.forget(name.partition("@")[0])
         if not removed:
@@ -194,12 +194,13 @@ async def _stream(
             while item is not None:
                 idx = item.index
                 reason = oa.finish_reason(item.finish_reason)
-                if item.text or reason is not None or idx not in started or item.logprobs:
-                    logprobs = oa.choice_logprobs(item.logprobs, chat, offsets.get(idx, 0))
-                    if item.logprobs:
-                        offsets[idx] = offsets.get(idx, 0) + sum(len(e.token) for e in item.logprobs)
+                text, entries = oa.chunk_of(item, chat)  # echo's prompt comes first in a completion
+                if text or reason is not None or idx not in started or entries:
+                    logprobs = oa.choice_logprobs(entries, chat, offsets.get(idx, 0))
+                    if entries:
+                        offsets[idx] = offsets.get(idx, 0) + sum(len(e.token) for e in entries)
                     chunk = oa.stream_chunk(
-                        rid, req.model, idx, item.text, reason, chat, idx not in started, logprobs
+                        rid, req.model, idx, text, reason, chat, idx not in started, logprobs
                     )
                     yield oa.sse(chunk)
                     started.add(idx)

@@ -142,7 +142,7 @@ def add_metrics_route(api: FastAPI, auth: Any, catalog: Any) -> None:
     @api.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         try:
-            auth.admin(request.headers.get("authorization"))
+            auth.admin_for(request)
         except Exception as e:
             reply = error_reply(e)
             return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)

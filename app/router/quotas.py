@@ -297,7 +297,7 @@ def add_quota_routes(api: FastAPI, auth: Any, catalog: Any) -> None:
 
     async def answer(request: Request, kind: str, name: str) -> Response:
         try:
-            auth.admin(request.headers.get("authorization"))
+            auth.admin_for(request)
             cat = catalog.get()
             if request.method == "PUT":
                 limits = Quota.from_dict(parse_body(await request.body()))

@@ -178,7 +178,7 @@ def add_status_routes(api: FastAPI, auth: Any, service: Any) -> None:
     @api.get("/status/data")
     async def status_json(request: Request) -> Response:
         try:
-            auth.admin(request.headers.get("authorization"))
+            auth.admin_for(request)
             data = await asyncio.to_thread(status_data, service)
         except Exception as e:
             reply = error_reply(e)
