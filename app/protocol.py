@@ -95,6 +95,7 @@ class ReplicaRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     n: int = 1
     tenant: str | None = None  # the caller's tenant, for fair admission (None: no auth, or the admin)
+    echo: bool = False  # completions' echo: each choice's first delta carries its prompt's text
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class TokenLogprob:
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
     token_bytes: bytes = b""
     top: tuple[TokenLogprob, ...] = ()
 
@@ -128,10 +129,17 @@ class ChoiceDelta:
     completion_tokens: int = 0
     # one entry per new token when the request asked for log probabilities, else None
     logprobs: list[TokenLogprob] | None = None
+    # the first delta of a choice only: its prompt's text (echo) and the prompt tokens' log probabilities
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def merge(self, later: ChoiceDelta) -> None:
         """Fold a later delta of the same choice into this one (coalescing, or accumulating a reply)."""
         self.text += later.text
+        if self.prompt_text is None:
+            self.prompt_text = later.prompt_text
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         if later.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []

@@ -252,7 +252,7 @@ def test_tenants_are_isolated(stack):
         ({"model": "tiny-llama", "prompt": 12}, 400, "prompt"),
         ({"model": "tiny-llama", "prompt": "x", "n": 99}, 400, "n"),
         ({"model": "tiny-llama", "prompt": "x", "logprobs": 21}, 400, "logprobs"),  # over max_logprobs
-        ({"model": "tiny-llama", "prompt": "x", "echo": True}, 400, "echo"),
+        ({"model": "tiny-llama", "prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
         ({"model": "tiny-llama", "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
         ({"model": "tiny-llama", "prompt": "x", "logprobs": 3, "presence_penalty": 0.5}, 200, None),
         ({"model": "a|", "prompt": "x"}, 400, "model"),

@@ -306,6 +306,9 @@ def test_sampling_features_reach_the_kernel():
         "min_tokens": 2,
     }
     assert oa.sampling_of(oa.validate(oa.CompletionRequest, {**COMP, "logprobs": 0}))["logprobs"] == 0
+    echo = oa.validate(oa.CompletionRequest, {**COMP, "echo": True, "logprobs": 2})
+    assert oa.sampling_of(echo) == {"logprobs": 2, "prompt_logprobs": 2}
+    assert oa.sampling_of(oa.validate(oa.CompletionRequest, {**COMP, "echo": True})) == {}
     chat = oa.validate(oa.ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 4})
     assert oa.sampling_of(chat) == {"logprobs": 4}
     assert oa.sampling_of(oa.validate(oa.ChatRequest, {**CHAT, "logprobs": True})) == {"logprobs": 0}
@@ -335,7 +338,6 @@ def test_sampling_features_reach_the_kernel():
         (oa.CompletionRequest, {**COMP, "logit_bias": {"5": "1"}}, "logit_bias", "[-100, 100]"),
         (oa.CompletionRequest, {**COMP, "logit_bias": {"5": float("nan")}}, "logit_bias", "nan"),
         (oa.CompletionRequest, {**COMP, "logit_bias": [1, 2]}, "logit_bias", "object"),
-        (oa.CompletionRequest, {**COMP, "echo": True}, "echo", "not supported"),
         (oa.CompletionRequest, {**COMP, "suffix": "x"}, "suffix", "not supported"),
     ],
 )
@@ -382,3 +384,16 @@ def test_logprobs_response_shapes():
         ]
         is None
     )
+    # echo: the prompt's text and tokens first, its first token without a logprob
+    prompt = [TokenLogprob(1, "Hi", None, b"Hi"), TokenLogprob(2, " you", -3.0, b" you", (tl(" you", -3.0),))]
+    echoed = ChoiceDelta(
+        0, "He", "length", prompt_text="Hi you", prompt_logprobs=prompt, logprobs=entries[:1]
+    )
+    choice = oa.completion_response("id", "m", [echoed], oa.usage(2, 1), chat=False)["choices"][0]
+    assert choice["text"] == "Hi youHe"
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", " you", "He"],
+        "token_logprobs": [None, -3.0, -0.5],
+        "top_logprobs": [None, {" you": -3.0}, {"He": -0.5, "A": -1.5}],
+        "text_offset": [0, 2, 6],
+    }

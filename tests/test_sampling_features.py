@@ -84,6 +84,37 @@ def test_logprobs_are_raw_before_penalties_and_bias(case):
     assert k.complete(prompts[:1], max_tokens=3, ignore_eos=True)[0].logprobs is None
 
 
+@pytest.mark.parametrize("adapter", [None, ADAPTER])
+def test_prompt_logprobs_equal_hf_log_softmax(case, llama_dir, adapter):
+    """echo's prompt log probabilities: every prompt position, over chunked prefill, never from the prefix
+    cache (a prompt seen before is computed again), the first token without one."""
+    k, peft, prompts = case
+    ids = prompts[1] + prompts[2]
+    for _ in range(2):  # the second time its blocks are in the prefix cache
+        c = k.complete([ids], [adapter], max_tokens=2, ignore_eos=True, logprobs=1, prompt_logprobs=4)[0]
+        assert [s.token_id for s in c.prompt_logprobs] == ids
+        assert c.prompt_logprobs[0].logprob is None
+        full = torch.tensor([ids])
+        with torch.no_grad():
+            logits = peft(full, adapter_names=[adapter or "__base__"]).logits[0].float()
+        ref = torch.log_softmax(logits[:-1], dim=-1)
+        for j, s in enumerate(c.prompt_logprobs[1:]):
+            assert abs(s.logprob - ref[j, ids[j + 1]].item()) < 1e-4
+            vals, idx = ref[j].topk(4)
+            assert list(s.top_ids) == idx.tolist()
+            assert max(abs(a - b) for a, b in zip(s.top_logprobs, vals.tolist())) < 1e-4
+    # chunked prefill (8 tokens a step), a chain: the caller's prompt under the first stage
+    with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8) as small:
+        c = small.complete([ids], max_tokens=2, ignore_eos=True, prompt_logprobs=0)[0]
+    for j, s in enumerate(c.prompt_logprobs[1:]):
+        assert abs(s.logprob - hf_logprobs(peft, ids[:1], ids[1:], None)[j, ids[j + 1]].item()) < 1e-4
+    chained = k.complete([ids], [f"{ADAPTER}|{OTHER}"], max_tokens=2, ignore_eos=True, prompt_logprobs=0)[0]
+    alone = k.complete([ids], [ADAPTER], max_tokens=2, ignore_eos=True, prompt_logprobs=0)[0]
+    assert [(s.token_id, s.logprob) for s in chained.prompt_logprobs] == [
+        (s.token_id, s.logprob) for s in alone.prompt_logprobs
+    ]
+
+
 # ---- penalties, bias, min_tokens against HF --------------------------------------------------------------
 
 
@@ -265,7 +296,7 @@ def test_rows_without_options_take_the_fast_path(monkeypatch):
         raise AssertionError("processors ran for a batch that needs none")
 
     monkeypatch.setattr(sampling, "apply_processors", boom)
-    monkeypatch.setattr(sampling, "_logprobs", boom)
+    monkeypatch.setattr(sampling, "sample_logprobs", boom)
     ps = [SamplingParams(), SamplingParams(temperature=0.7, seed=1, top_k=5, top_p=0.9)]
     toks, lps = sample_with_logprobs(rows(2), ps, [SamplerState(), SamplerState()])
     assert all(isinstance(t, int) for t in toks) and lps == [None, None]
@@ -424,6 +455,40 @@ def test_http_completions_logprobs_streaming_and_not(http):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
 
 
+def test_http_echo_with_prompt_logprobs_as_lm_eval_asks(http):
+    """lm-eval's loglikelihood request: echo, logprobs=1, max_tokens=1, temperature 0."""
+    prompt = "the quick brown fox jumps"
+    ids = http.kernel.tokenizer.encode(prompt, add_special_tokens=False)
+
+    async def go(client):
+        kw = dict(model="pub", prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+        whole = await client.completions.create(**kw)
+        chunks = [c async for c in await client.completions.create(**kw, stream=True)]
+        bare = await client.completions.create(model="pub", prompt=[ids], max_tokens=2, echo=True)
+        return whole, chunks, bare
+
+    whole, chunks, bare = sdk(http, go)
+    ref = http.kernel.complete([prompt], ["pub@1"], max_tokens=1, logprobs=1, prompt_logprobs=1)[0]
+    choice = whole.choices[0]
+    assert choice.text == prompt + ref.text
+    lp = choice.logprobs
+    assert lp.tokens == [http.kernel.tokenizer.decode([t]) for t in ids + ref.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [s.logprob for s in ref.prompt_logprobs[1:] + ref.logprobs]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want)) < 1e-5
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(prompt)
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == lp.tokens
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.text_offset] == lp.text_offset
+    # echo without logprobs: the prompt's text (token ids decoded) first, no logprobs
+    assert (
+        bare.choices[0].text.startswith(http.kernel.tokenizer.decode(ids))
+        and bare.choices[0].logprobs is None
+    )
+
+
 def test_http_chat_logprobs_and_top_logprobs_streaming_and_not(http):
     messages = [{"role": "user", "content": "hello world"}]
 
@@ -479,7 +544,7 @@ def test_http_penalties_and_bias_match_the_kernel(http):
     "route, body, param",
     [
         ("completions", {"logprobs": 21}, "logprobs"),
-        ("completions", {"echo": True, "logprobs": 1}, "echo"),
+        ("completions", {"echo": True, "logprobs": 25}, "logprobs"),
         ("completions", {"logit_bias": {"999999": 5}}, "logit_bias"),
         ("completions", {"logit_bias": {"5": 500}}, "logit_bias"),
         ("completions", {"repetition_penalty": -1}, "repetition_penalty"),

@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from app.replica.lora.null import AdapterHooks
 from app.replica.model import ForwardBatch, PrefillAttn
 from app.replica.scheduler import Batch, ScheduledSeq
+from app.replica.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Logits rows at prompt positions [lo, hi) of seq: the log probabilities of its prompt tokens lo+1..hi."""
+
+    seq: Sequence
+    lo: int
+    hi: int
 
 
 class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device, adapters: AdapterHooks):
         self.block_size, self.device, self.adapters = block_size, device, adapters
 
-    def build(self, batch: Batch) -> tuple[ForwardBatch, list[ScheduledSeq]]:
-        """The forward batch, and the items that sample a token this step (in logits row order).
+    def build(self, batch: Batch) -> tuple[ForwardBatch, list[ScheduledSeq], list[PromptRows]]:
+        """The forward batch, the items that sample a token this step (the first logits rows, in order), and
+        the prompt positions whose logits give prompt log probabilities (the rows after those, in order).
 
         Sorts `batch.items` in place by adapter slot first: the LoRA kernels need each adapter's tokens
         contiguous."""
@@ -22,7 +35,7 @@ class BatchBuilder:
         bs = self.block_size
         ids, pos, slots = [], [], []
         dec_idx, dec_tables, dec_lens, prefills, logits_idx, sampled = [], [], [], [], [], []
-        seqs_tokens = []
+        seqs_tokens, prompt_rows, prompt_idx = [], [], []
         for it in batch.items:
             seq, start, n = it.seq, it.start, it.num_tokens
             t0 = len(ids)
@@ -42,6 +55,14 @@ class BatchBuilder:
             if it.samples:
                 logits_idx.append(t0 + n - 1)
                 sampled.append(it)
+            if seq.prompt_logprobs is not None:
+                # logits at position p give prompt token p + 1's log probability; those already computed (before
+                # a preemption) are not computed again
+                lo = max(start, len(seq.prompt_logprobs) - 1)
+                hi = min(start + n, len(seq.prompt_ids) - 1)
+                if lo < hi:
+                    prompt_idx.extend(range(t0 + lo - start, t0 + hi - start))
+                    prompt_rows.append(PromptRows(seq, lo, hi))
             seqs_tokens.append((seq, n))
         dev = self.device
         fb = ForwardBatch(
@@ -52,7 +73,7 @@ class BatchBuilder:
             decode_block_tables=None,
             decode_ctx_lens=None,
             prefills=prefills,
-            logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            logits_idx=torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev),
         )
         if dec_idx:
             width = max(len(t) for t in dec_tables)
@@ -64,4 +85,4 @@ class BatchBuilder:
             )
             fb.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
         fb.lora = self.adapters.lora_batch(seqs_tokens)
-        return fb, sampled
+        return fb, sampled, prompt_rows

@@ -307,7 +307,12 @@ class ReplicaCore:
             else:
                 prompts = list(request.prompts)
             async for item in self._fan_in(
-                prompts, request.adapter or None, request.n, dict(request.sampling), tenant=request.tenant
+                prompts,
+                request.adapter or None,
+                request.n,
+                dict(request.sampling),
+                tenant=request.tenant,
+                echo=request.echo,
             ):
                 yield item
         except Exception as e:
@@ -316,10 +321,19 @@ class ReplicaCore:
             yield Failure.of(e)
 
     async def _fan_in(
-        self, prompts: list, adapter: str | None, n: int, sampling: dict, *, tenant: str | None = None
+        self,
+        prompts: list,
+        adapter: str | None,
+        n: int,
+        sampling: dict,
+        *,
+        tenant: str | None = None,
+        echo: bool = False,
     ) -> AsyncIterator[ChoiceDelta]:
         """All choices (prompts x n) run concurrently in the kernel's batch; deltas interleave by index. A
-        failed sequence raises out of its kernel stream (LLMKernel.generate), and so out of this one."""
+        failed sequence raises out of its kernel stream (LLMKernel.generate), and so out of this one. With
+        `echo`, each choice's first delta carries its prompt's text (token ids decoded)."""
+        first: set[int] = set()  # choices whose first delta went out
         queue: asyncio.Queue = asyncio.Queue()
         streams = []
         for i, prompt in enumerate(prompts):
@@ -365,6 +379,12 @@ class ReplicaCore:
                         d.completion_tokens,
                         None if d.logprobs is None else self._logprob_text().convert(d.logprobs),
                     )
+                    if index not in first:
+                        first.add(index)
+                        if echo:
+                            delta.prompt_text = self._prompt_text(prompts[index // n])
+                        if d.prompt_logprobs is not None:
+                            delta.prompt_logprobs = self._logprob_text().convert(d.prompt_logprobs)
                     if index in items:
                         items[index].merge(delta)
                     else:
@@ -374,6 +394,9 @@ class ReplicaCore:
         finally:
             for t in tasks:  # a client that went away aborts its sequences in the kernel
                 t.cancel()
+
+    def _prompt_text(self, prompt: str | tuple[int, ...] | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.kernel.tokenizer.decode(list(prompt))
 
     def _logprob_text(self) -> Any:
         """Token texts for log probabilities, from the kernel's tokenizer (built on first use, then cached)."""

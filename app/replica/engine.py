@@ -15,13 +15,14 @@ import torch
 from app.config.kernel_config import KernelConfig
 from app.errors import InvalidRequest, QueueFull
 from app.protocol import Failure
-from app.replica.batch_builder import BatchBuilder
+from app.replica.batch_builder import BatchBuilder, PromptRows
 from app.replica.fairness import AdmissionPolicy
 from app.replica.kv_cache import BlockAllocator, KVCache
+from app.replica.logprobs import SampleLogprobs, prompt_logprobs
 from app.replica.lora.null import AdapterHooks, NullAdapters
 from app.replica.model import Model
 from app.replica.outputs import Delta, OutputProcessor
-from app.replica.sampling import NonFiniteLogits, SampleLogprobs, SamplingParams, sample_with_logprobs
+from app.replica.sampling import NonFiniteLogits, SamplingParams, sample_with_logprobs
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
 
@@ -144,6 +145,8 @@ class Engine:
             tenant=tenant,
         )
         seq.output = self.outputs.state(params, on_delta)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [SampleLogprobs(seq.prompt_ids[0], None)]
         with self._lock:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.cfg.max_waiting:
                 raise QueueFull(
@@ -225,8 +228,11 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return False
-        fb, sampled_items = self.builder.build(batch)
+        fb, sampled_items, prompt_rows = self.builder.build(batch)
         logits = self.model.forward(fb, self.kv)
+        if prompt_rows:
+            self._prompt_logprobs(logits[len(sampled_items) :], prompt_rows)
+            logits = logits[: len(sampled_items)]
         hook = self.fault_hook
         tokens, logprobs = sample_with_logprobs(
             logits,
@@ -246,6 +252,19 @@ class Engine:
             else:
                 self._append(it.seq, tok, lp)
         return True
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, rows: list[PromptRows]) -> None:
+        """Append the prompt log probabilities these logits rows give to their sequences."""
+        next_ids, ks = [], []
+        for r in rows:
+            next_ids += r.seq.prompt_ids[r.lo + 1 : r.hi + 1]
+            ks += [r.seq.params.prompt_logprobs] * (r.hi - r.lo)
+        out = prompt_logprobs(logits, next_ids, ks)
+        at = 0
+        for r in rows:
+            r.seq.prompt_logprobs.extend(out[at : at + r.hi - r.lo])
+            at += r.hi - r.lo
 
     def _fail_row(self, seq: Sequence, exc: Exception) -> None:
         """One sequence of the batch failed; the others carry on untouched."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -22,12 +23,13 @@ from app.replica.adapter_reader import AdapterReader
 from app.replica.composition import Composition
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.fairness import make_policy
+from app.replica.logprobs import SampleLogprobs
 from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
 from app.replica.memory import release_free_memory
 from app.replica.model import Model, resolve_dtype
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
-from app.replica.sampling import SampleLogprobs, SamplingParams
+from app.replica.sampling import SamplingParams
 
 log = logging.getLogger("loraland.kernel")
 
@@ -43,6 +45,7 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     logprobs: list[SampleLogprobs] | None = None  # one per token id, when asked (sampling's `logprobs`)
+    prompt_logprobs: list[SampleLogprobs] | None = None  # one per prompt token (`prompt_logprobs`)
 
 
 class LLMKernel:
@@ -199,8 +202,16 @@ class LLMKernel:
         self, prompt: Prompt, adapter_id: str | None = None, *, tenant: str | None = None, **sampling
     ) -> AsyncIterator[Delta]:
         """Stream Deltas for one prompt (abandoning the iterator aborts the request). A chain runs its
-        earlier stages to completion and streams the last one. `tenant`: whose request, for fair admission."""
+        earlier stages to completion and streams the last one. `tenant`: whose request, for fair admission.
+        Log probabilities (`logprobs`) are the streamed stage's; prompt log probabilities (`prompt_logprobs`)
+        are of the caller's prompt under the first stage, and arrive with the first delta."""
         params = SamplingParams.from_kwargs(**sampling)
+        later = (
+            dataclasses.replace(params, prompt_logprobs=None)
+            if params.prompt_logprobs is not None
+            else params
+        )
+        first_prompt_logprobs = None
         # A long prompt is tokenized on a worker thread (the fast tokenizer releases the GIL), so the caller's
         # event loop keeps serving; a short one costs less than the thread hop.
         long = isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS
@@ -212,11 +223,15 @@ class LLMKernel:
         for i, key in enumerate(stages):
             last = i == len(stages) - 1
             text = ""
-            async for d in self.engine.stream(ids, params, adapter=key, tenant=tenant):
+            async for d in self.engine.stream(ids, params if i == 0 else later, adapter=key, tenant=tenant):
                 if d.failure is not None:
                     raise d.failure.to_exception()
+                if i == 0 and not last and d.prompt_logprobs is not None:
+                    first_prompt_logprobs = d.prompt_logprobs
                 if last:
                     d.prompt_tokens = n_prompt
+                    if i > 0 and first_prompt_logprobs is not None:
+                        d.prompt_logprobs, first_prompt_logprobs = first_prompt_logprobs, None
                     yield d
                 else:
                     text += d.text
@@ -237,19 +252,30 @@ class LLMKernel:
         if len(adapter_ids) != len(prompts):
             raise InvalidRequest(f"got {len(prompts)} prompts but {len(adapter_ids)} adapter_ids")
         params = SamplingParams.from_kwargs(**sampling)
+        later = (
+            dataclasses.replace(params, prompt_logprobs=None)
+            if params.prompt_logprobs is not None
+            else params
+        )
         ids = [self._prompt_ids(p) for p in prompts]
         stages = [self.composition.stages(a) for a in adapter_ids]
         n_prompt = [len(x) for x in ids]
         results: list[Completion | None] = [None] * len(prompts)
+        first_prompt_logprobs: list[list[SampleLogprobs] | None] = [None] * len(prompts)
         depth = 0
         while True:  # one round per pipeline depth: every prompt's stage `depth` runs in one batch
             todo = [i for i in range(len(prompts)) if depth < len(stages[i])]
             if not todo:
                 break
-            outs = self._run([(ids[i], stages[i][depth]) for i in todo], params, tenant)
+            outs = self._run(
+                [(ids[i], stages[i][depth]) for i in todo], params if depth == 0 else later, tenant
+            )
             for i, c in zip(todo, outs):
+                if depth == 0:
+                    first_prompt_logprobs[i] = c.prompt_logprobs
                 if depth == len(stages[i]) - 1:
                     c.prompt_tokens = n_prompt[i]
+                    c.prompt_logprobs = first_prompt_logprobs[i]  # the caller's prompt, under the first stage
                     results[i] = c
                 else:
                     ids[i] = self._stage_output(c.text, params)
@@ -280,6 +306,8 @@ class LLMKernel:
                 c.prompt_tokens = d.prompt_tokens
                 if d.logprobs is not None:
                     c.logprobs = (c.logprobs or []) + d.logprobs
+                if d.prompt_logprobs is not None:
+                    c.prompt_logprobs = d.prompt_logprobs
                 if d.finish_reason is not None:
                     c.finish_reason, failures[i] = d.finish_reason, d.failure
                     done.release()

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from app.protocol import TokenLogprob
-from app.replica.sampling import SampleLogprobs
+from app.replica.logprobs import SampleLogprobs
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

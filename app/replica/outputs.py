@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from app.protocol import Failure
-from app.replica.sampling import SampleLogprobs, SamplingParams
+from app.replica.logprobs import SampleLogprobs
+from app.replica.sampling import SamplingParams
 from app.replica.sequence import Sequence
 
 
@@ -33,6 +34,7 @@ class Delta:
     completion_tokens: int
     failure: Failure | None = None  # set when the request failed (finish_reason "abort")
     logprobs: list[SampleLogprobs] | None = None  # one per token of token_ids, when the request asked
+    prompt_logprobs: list[SampleLogprobs] | None = None  # one per prompt token, in the first delta only
 
 
 @dataclass
@@ -95,7 +97,16 @@ class OutputProcessor:
         new_ids = seq.output_ids[st.sent_tokens :]
         st.sent_tokens = len(seq.output_ids)
         lps = None if logprobs is None else [logprobs]  # one delta per sampled token
-        return Delta(new_text, new_ids, reason, len(seq.prompt_ids), len(seq.output_ids), logprobs=lps)
+        prompt = seq.prompt_logprobs if len(seq.output_ids) == 1 else None
+        return Delta(
+            new_text,
+            new_ids,
+            reason,
+            len(seq.prompt_ids),
+            len(seq.output_ids),
+            logprobs=lps,
+            prompt_logprobs=prompt,
+        )
 
     def _decode(self, st: OutputState, ids: list[int]) -> None:
         text = self.tok.decode(ids[st.prefix_offset :], skip_special_tokens=True)

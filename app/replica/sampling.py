@@ -27,6 +27,7 @@ import torch
 from app.errors import InvalidRequest
 from app.protocol import MAX_LOGPROBS
 from app.replica.logits_processors import apply_processors
+from app.replica.logprobs import SampleLogprobs, sample_logprobs
 
 # Temperatures below this are greedy (argmax): vLLM's _SAMPLING_EPS. Scaling by 1/t that small only sharpens a
 # distribution that is already one-hot to float32 precision, and 1e-300 would overflow logits / t.
@@ -79,6 +80,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top log probabilities per token (0: the sampled token's alone); None = off
+    prompt_logprobs: int | None = None  # the same for each prompt token (completions' echo); None = off
     presence_penalty: float = 0.0  # [-2, 2], over generated tokens: minus p once a token has appeared
     frequency_penalty: float = 0.0  # [-2, 2], over generated tokens: minus f x how often it appeared
     repetition_penalty: float = 1.0  # (0, 100], HF's: over prompt + generated tokens; 1 = off
@@ -109,9 +111,10 @@ class SamplingParams:
             raise _invalid("stop", "stop strings must be non-empty strings")
         if not all(_is_int(x) for x in self.stop_token_ids):
             raise _invalid("stop_token_ids", "must be a list of integer token ids")
-        k = self.logprobs
-        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
-            raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(k)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise _invalid(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(k)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
@@ -186,16 +189,6 @@ class SamplerState:
     counts: torch.Tensor | None = None  # [V] float32: how often each token appears in the output so far
     seen: torch.Tensor | None = None  # [V] bool: the token appears in the prompt or the output
     counted: int = 0  # output tokens already in `counts`
-
-
-@dataclass(frozen=True)
-class SampleLogprobs:
-    """One sampled token's raw log probability and, when asked, the top ones at its position (best first)."""
-
-    token_id: int
-    logprob: float
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
 
 
 class NonFiniteLogits(Exception):
@@ -273,7 +266,7 @@ def sample_with_logprobs(
     if want := [
         i for i, p in enumerate(params) if p.logprobs is not None and not isinstance(out[i], Exception)
     ]:
-        _logprobs(raw, want, params, out, logprobs)
+        sample_logprobs(raw, want, [params[i].logprobs for i in want], out, logprobs)
     return out, logprobs
 
 
@@ -311,25 +304,6 @@ def _processed(
                 "relax them"
             )
     return raw.index_copy(0, torch.tensor(proc, device=dev), sub), bad
-
-
-def _logprobs(
-    raw: torch.Tensor,
-    rows: list[int],
-    params: list[SamplingParams],
-    tokens: list[int | Exception],
-    into: list[SampleLogprobs | None],
-) -> None:
-    """Raw log probabilities of `rows`' sampled tokens and their top-k: one log_softmax, one topk, one transfer."""
-    dev = raw.device
-    lp = torch.log_softmax(raw.index_select(0, torch.tensor(rows, device=dev)), dim=-1)
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=dev)[:, None])[:, 0].tolist()
-    k = min(max(params[i].logprobs for i in rows), lp.shape[1])
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j, i in enumerate(rows):
-        ki = params[i].logprobs
-        into[i] = SampleLogprobs(tokens[i], chosen[j], tuple(top_i[j][:ki]), tuple(top_v[j][:ki]))
 
 
 def _probs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:

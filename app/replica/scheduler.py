@@ -191,7 +191,8 @@ class Scheduler:
                     break
                 if not self.admit(seq):
                     continue
-                if self.alloc.enable_prefix_caching:
+                # prompt log probabilities need the logits of every prompt position: no cached prefix
+                if self.alloc.enable_prefix_caching and seq.params.prompt_logprobs is None:
                     self._reuse_prefix(seq)
                 n = min(seq.num_uncomputed, budget)
                 if not self._grow(seq, n):

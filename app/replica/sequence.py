@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from app.replica.logprobs import SampleLogprobs
 from app.replica.sampling import SamplerState, SamplingParams
 
 if TYPE_CHECKING:  # the output side imports nothing from here at run time; keep sequence.py a leaf
@@ -37,6 +38,9 @@ class Sequence:
     num_preemptions: int = 0
     prompt_charged: bool = False  # the VTC charged its prompt at first admission; a recompute is not charged
     sampler: SamplerState = field(default_factory=SamplerState)
+    # prompt tokens' log probabilities computed so far (params.prompt_logprobs): one per prompt token from the
+    # first (logprob None) on; a recompute after preemption does not compute them again
+    prompt_logprobs: list[SampleLogprobs] | None = None
     # the output side's state (delta callback, detokenizer offsets); the scheduler never reads it
     output: OutputState | None = None
 

@@ -177,8 +177,6 @@ def _check_unsupported(req: _Sampling) -> None:
     if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
         raise invalid("min_tokens", f"must be at most max_tokens ({max_tokens}), got {req.min_tokens}")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise invalid("echo", "echo (with prompt log probabilities) is not supported yet; omit the field")
         if req.suffix:
             raise invalid("suffix", "suffix is not supported by this server; omit the field")
         if req.best_of not in (None, req.n):
@@ -244,6 +242,8 @@ def sampling_of(req: _Sampling) -> dict[str, Any]:
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             out["logprobs"] = req.logprobs
+            if req.echo:  # vLLM's rule: echo with logprobs=k lists the prompt tokens' too, with their top k
+                out["prompt_logprobs"] = req.logprobs
     elif req.logprobs:
         out["logprobs"] = req.top_logprobs or 0
     return out
@@ -306,8 +306,8 @@ def completion_response(rid: str, model: str, choices: Sequence[ChoiceDelta], us
         shaped = [
             {
                 "index": c.index,
-                "text": c.text,
-                "logprobs": choice_logprobs(c.logprobs, chat),
+                "text": (c.prompt_text or "") + c.text,  # prompt_text: echo's
+                "logprobs": choice_logprobs(_with_prompt(c), chat),
                 "finish_reason": finish_reason(c.finish_reason),
             }
             for c in choices
@@ -344,13 +344,28 @@ def stream_chunk(
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
+def _with_prompt(c: ChoiceDelta) -> list[TokenLogprob] | None:
+    """A completion choice's (or chunk's) log probabilities, its prompt's first when echo asked for them."""
+    if c.logprobs is None or not c.prompt_logprobs:
+        return c.logprobs
+    return [*c.prompt_logprobs, *c.logprobs]
+
+
+def chunk_of(c: ChoiceDelta, chat: bool) -> tuple[str, list[TokenLogprob] | None]:
+    """A streamed delta's text and log probabilities, echo's prompt first (completions only)."""
+    if chat:
+        return c.text, c.logprobs
+    return (c.prompt_text or "") + c.text, _with_prompt(c)
+
+
 def choice_logprobs(entries: Sequence[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict | None:
     """OpenAI's `logprobs` of a choice (or of a streamed chunk of it), None when the request did not ask.
 
     Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}] x k]}].
     Completions (vLLM's shape): {"tokens", "token_logprobs", "top_logprobs": [{token: logprob} of the top k and
     the sampled token], "text_offset"}; `offset` is where the first token starts in the choice's text (a stream
-    passes the length of the tokens sent before). Every sampled token is listed, a stop token too."""
+    passes the length of the tokens sent before). Every sampled token is listed, a stop token too; with echo
+    the prompt's tokens come first, the first of them with logprob and top_logprobs null (vLLM's shape)."""
     if entries is None:
         return None
     if chat:
@@ -371,10 +386,13 @@ def choice_logprobs(entries: Sequence[TokenLogprob] | None, chat: bool, offset: 
     for e in entries:
         tokens.append(e.token)
         token_logprobs.append(e.logprob)
-        top: dict[str, float] = {}
-        for t in (*e.top, e):  # keyed by text: of tokens with the same text, the likeliest one shows
-            top.setdefault(t.token, t.logprob)
-        top_logprobs.append(top)
+        if e.logprob is None:  # a prompt's first token (echo): nothing predicts it
+            top_logprobs.append(None)
+        else:
+            top: dict[str, float] = {}
+            for t in (*e.top, e):  # keyed by text: of tokens with the same text, the likeliest one shows
+                top.setdefault(t.token, t.logprob)
+            top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(e.token)
     return {

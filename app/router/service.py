@@ -128,6 +128,7 @@ class IngressService:
             sampling=oa.sampling_of(req),
             n=req.n,
             tenant=caller.tenant if caller is not None else None,
+            echo=bool(getattr(req, "echo", False)) and not chat,
         )
 
     def stream(self, request: ReplicaRequest, model_id: str) -> ReplicaStream:
