@@ -174,7 +174,7 @@ def run_one(cfg: SimConfig, name: str, w: Workload, *, exact: bool = False) -> t
     if isinstance(policy, OursPolicy):
         row["rank_calls"], row["full_rank_calls"] = policy.calls, policy.full_calls
         row["full_rank_call_ms"] = 1000.0 * policy.full_call_cost_s(50)
-        row["router_memory_adapters"] = len(policy.recent)  # what _recent_placement() walks per request
+        row["router_memory_adapters"] = len(policy.memory)  # adapters the router remembers at the end
     return row, sim
 
 

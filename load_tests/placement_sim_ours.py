@@ -20,9 +20,9 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import OrderedDict
 
 from app.router import placement  # the module, so a test can spy on placement.rank_replicas
+from app.router.assignments import AssignmentMemory
 from load_tests.placement_sim_core import (
     NO_HOLDER,
     SPILL,
@@ -71,8 +71,8 @@ class OursPolicy(_Base):
         self.views: list[placement.ReplicaView | None] = [None] * R
         self.holders: dict[str, set[int]] = {}  # adapter -> replicas whose last stats list it
         self._changed: dict[int, set[str]] = {}  # adapters to re-check at a replica's next stats
-        # The router's _assigned memory, oldest first so expired entries are dropped from the front.
-        self.recent: dict[str, OrderedDict[int, float]] = {}
+        # The router's own memory of where it sent each adapter (replica indexes here, unique ids there).
+        self.memory = AssignmentMemory(sim.cfg.assignment_ttl_s)
         self._all = _LoadIndex(cfg.max_ongoing + 1)
         self.key_sum = 0  # sum of the router's busy counts: the cluster's mean load
         self._free = _LoadIndex(cfg.max_ongoing + 1)
@@ -142,17 +142,11 @@ class OursPolicy(_Base):
             self._report(r)
         self._group = (self._group + 1) % STATS_GROUPS
         self._ticks += 1
-        if self._ticks % 100 == 0:  # forget expired assignments (the router does it lazily too)
-            ttl = self.sim.cfg.assignment_ttl_s
-            for a in [a for a, w in self.recent.items() if not w or now - next(reversed(w.values())) >= ttl]:
-                del self.recent[a]
+        if self._ticks % 100 == 0:  # forget expired assignments (the router sweeps once a TTL)
+            self.memory.sweep(now)
 
     def on_assign(self, now: float, r: int, adapter: str, outcome: int) -> None:
-        w = self.recent.get(adapter)
-        if w is None:
-            w = self.recent[adapter] = OrderedDict()
-        w[r] = now  # AdapterAffinityRouter.on_request_routed
-        w.move_to_end(r)
+        self.memory.record(adapter, r, now)  # AdapterAffinityRouter.on_request_routed
 
     def view(self, r: int) -> placement.ReplicaView:
         v = self.views[r]
@@ -189,16 +183,13 @@ class OursPolicy(_Base):
     def route(self, now: float, ctx: RouteCtx, adapter: str) -> int | None:
         cand = set(self.holders.get(adapter, ()))
         known = list(self.catalog.get(adapter, ()))
-        w = self.recent.get(adapter)
+        w = self.memory.where(adapter, now)
         if w:
-            expired = now - self.sim.cfg.assignment_ttl_s
-            while w and next(iter(w.values())) <= expired:
-                w.popitem(last=False)
             rid = self.rid
             known.extend(rid[r] for r in w)
             cand.update(w)
         self.calls += 1
-        # Warm: the router's memory still holds an assignment of it (request_router passes its keys).
+        # Warm: the router's memory still holds an assignment of it (AdapterAffinityRouter's `warm`).
         r = self._decide(adapter, cand, known, (adapter,) if w else ())
         held = cand
         self.last_why = NO_HOLDER if not held else TO_HOLDER if r in held else SPILL

@@ -16,6 +16,7 @@ import time
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app.names import parse_model
+from app.router.assignments import AssignmentMemory
 from app.router.metrics import record_decision
 from app.router.placement import PlacementPolicy, rank_replicas, view_from_stats
 
@@ -43,26 +44,26 @@ class AdapterAffinityRouter(RequestRouter):
         **_ignored,
     ) -> None:
         self._policy = PlacementPolicy(overload_load, overload_kv, max_per_tier, balance)
-        self._assignment_ttl_s = assignment_ttl_s
-        # adapter ref -> {replica unique id -> last time this router sent it there}
-        self._assigned: dict[str, dict[str, float]] = {}
+        self._memory = AssignmentMemory(assignment_ttl_s)  # adapter ref -> replica unique ids, recent first
+        self._swept = time.time()
 
     def _state_ready(self) -> None:
         # initialize_state is only called when request_router_kwargs are given; be safe either way.
         if not hasattr(self, "_policy"):
             self.initialize_state()
 
-    def _recent_placement(self) -> dict[str, list[str]]:
+    def _recent_placement(self, adapters: list[str]) -> dict[str, list[str]]:
+        """Where this router sent each of `adapters` within its memory, live replicas only (the warm ones)."""
         now = time.time()
+        if now - self._swept >= self._memory.ttl_s:  # forget adapters no request looked up since they expired
+            self._memory.sweep(now)
+            self._swept = now
         live = {r.replica_id.unique_id for r in self._replicas.values()}
         out: dict[str, list[str]] = {}
-        for adapter, where in list(self._assigned.items()):
-            fresh = {rid: t for rid, t in where.items() if now - t < self._assignment_ttl_s and rid in live}
-            if fresh:
-                self._assigned[adapter] = fresh
-                out[adapter] = list(fresh)
-            else:
-                del self._assigned[adapter]
+        for adapter in adapters:
+            where = [rid for rid in self._memory.where(adapter, now) if rid in live]
+            if where:
+                out[adapter] = where
         return out
 
     async def choose_replicas(
@@ -91,10 +92,9 @@ class AdapterAffinityRouter(RequestRouter):
                     max_ongoing=r.max_ongoing_requests,
                 )
             )
-        recent = self._recent_placement()
-        tiers = rank_replicas(
-            adapters_of(model_id) if model_id else [], views, recent, self._policy, warm=recent.keys()
-        )
+        needed = adapters_of(model_id) if model_id else []
+        recent = self._recent_placement(needed)
+        tiers = rank_replicas(needed, views, recent, self._policy, warm=recent.keys())
         return [[by_uid[rid] for rid in tier] for tier in tiers]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -105,15 +105,12 @@ class AdapterAffinityRouter(RequestRouter):
         # Classified on what this router knew before this request (its own memory is updated below).
         if pending_request.metadata.call_method == "generate":  # not admin calls (inspect_adapter)
             stats = getattr(replica, "routing_stats", None)
-            record_decision(needed, stats, self._recent_placement(), replica_id.unique_id)
-        if not model_id:
-            return
+            record_decision(needed, stats, self._recent_placement(needed), replica_id.unique_id)
         now = time.time()
         for adapter in needed:
-            self._assigned.setdefault(adapter, {})[replica_id.unique_id] = now
+            self._memory.record(adapter, replica_id.unique_id, now)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._state_ready()
-        for where in self._assigned.values():
-            where.pop(replica_id.unique_id, None)
+        self._memory.forget_replica(replica_id.unique_id)
