@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from load_tests.placement_sim import RESULTS, run_one
-from load_tests.placement_sim_core import SimConfig, Workload
+from load_tests.placement_sim_core import MISS, SimConfig, Workload
 
 MAX_ONGOING = 48  # LocalStack's max_ongoing_requests
 STATS_PERIOD_S = 0.5  # LocalStack's routing_stats_period_s
@@ -139,7 +139,7 @@ def real_run(a: argparse.Namespace, w: Workload) -> dict:
         "wall_s": wall,
         "hit_rate": 1 - cold / n,
         "cold_loads": cold,
-        "cold_loads_by_replica": loads,
+        "cold_loads_by_replica": dict(sorted(loads.items(), key=lambda kv: -kv[1])),
         "served_by_replica": served,
         "served_shares": sorted((c / len(ok) for c in served.values()), reverse=True),
         "latency_s_mean": statistics.fmean(r["latency_s"] for r in ok),
@@ -160,10 +160,14 @@ def _mean_load_s(metrics_text: str) -> float | None:
 def sim_run(cfg: SimConfig, w: Workload) -> dict:
     row, sim = run_one(cfg, "ours", w)
     n = sum(sim.served)
+    misses = [0] * cfg.replicas
+    for r, outcome in zip(sim.replica_of, sim.outcome):
+        misses[r] += outcome == MISS
     return {
         "requests": row["requests"],
         "hit_rate": row["hit_rate"],
         "cold_loads": row["cold_loads"],
+        "cold_loads_by_replica": sorted(misses, reverse=True),
         "served_shares": sorted((s / n for s in sim.served), reverse=True),
         "load_max_over_mean": row["load_max_over_mean"],
     }
