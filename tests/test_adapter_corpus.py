@@ -35,6 +35,14 @@ def _bytes(folder: Path, fn) -> None:
     path.write_bytes(fn(path.read_bytes()))
 
 
+def _tensors(folder: Path, fn) -> None:
+    """Rewrite every tensor of the weights file through fn(key, tensor) (a valid safetensors file again)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / WEIGHTS
+    save_file({k: fn(k, v).contiguous() for k, v in load_file(str(path)).items()}, str(path))
+
+
 # kind -> (how to break a good adapter folder, text the refusal must contain)
 FILE_KINDS = {
     "truncated-weights": (lambda f: _bytes(f, lambda b: b[: len(b) // 2]), "safetensors"),
@@ -45,6 +53,13 @@ FILE_KINDS = {
     "modules-to-save": (lambda f: _config(f, modules_to_save=["lm_head"]), "modules_to_save"),
     "rank-over-limit": (lambda f: _config(f, r=128, lora_alpha=256), "128"),
     "dora-without-magnitudes": (lambda f: _config(f, use_dora=True), "magnitude"),
+    "nan-weights": (lambda f: _tensors(f, lambda k, t: t.fill_(float("nan")) if "lora_A" in k else t), "NaN"),
+    "inf-weights": (lambda f: _tensors(f, lambda k, t: t.fill_(float("inf")) if "lora_B" in k else t), "inf"),
+    "absurd-delta": (lambda f: _tensors(f, lambda k, t: t * 1e18 if "lora_B" in k else t), "Frobenius norm"),
+    "wrong-shape": (lambda f: _tensors(f, lambda k, t: t[:-1] if "lora_A" in k else t), "shape"),
+    "unknown-target": (lambda f: _config(f, target_modules=["q_proj", "frobnicate_proj"]), "frobnicate_proj"),
+    "not-lora": (lambda f: _config(f, peft_type="IA3"), "peft_type"),
+    "pickled-weights": (lambda f: (f / WEIGHTS).rename(f / "adapter_model.bin"), "pickle"),
     "no-weights": (lambda f: (f / WEIGHTS).unlink(), WEIGHTS),
     "no-config": (lambda f: (f / CONFIG).unlink(), CONFIG),
 }
