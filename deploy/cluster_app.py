@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from app.cli.serve import start_serve
 from app.config.app_config import AppConfig
 from deploy.local_cluster import INGRESS_RESOURCE, REPLICA_RESOURCE, LocalCluster
 
@@ -42,7 +43,7 @@ def serve_on(cluster: LocalCluster, cfg: AppConfig, port: int) -> str:
 
     cluster.use_in_this_process()
     ray.init(address=cluster.address, log_to_driver=False, namespace="loraland-tests")
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    start_serve(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_cluster_app(cfg), name=APP_NAME, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 

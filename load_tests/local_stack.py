@@ -148,6 +148,7 @@ class LocalStack:
         from ray import serve
 
         from app.catalog.store import Catalog
+        from app.cli.serve import start_serve
         from app.config.app_config import AppConfig
         from app.main import build_app
         from loraland import LLMKernel
@@ -205,7 +206,7 @@ class LocalStack:
             routing_stats_period_s=0.5,
             request_timeout_s=self.cfg.request_timeout_s,
         )
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        start_serve(http_options={"host": "127.0.0.1", "port": self.port})
         serve.run(build_app(app_cfg), name="loraland", route_prefix="/")
         self.catalog = Catalog(self.redis.url)
         self.wait_healthy(300)

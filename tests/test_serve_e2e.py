@@ -21,11 +21,15 @@ import openai
 import pytest
 
 from app.catalog.redis_server import free_port, start_redis
+from app.catalog.store import Catalog
+from app.cli.serve import start_serve
 from app.config.app_config import AppConfig
 from app.replica.core import render_chat
+from app.replica.lora.peft_format import adapter_summary
 from tests.fixtures.models import CORPUS
 from tests.fixtures.services import aws_env, make_bucket, s3_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter
+from tests.test_isolation import scaled_adapter
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -73,6 +77,9 @@ class Cluster:
     def expected(self, prompt: str, adapter: str | None, max_tokens: int) -> str:
         return self.oracle.complete([prompt], [adapter], max_tokens=max_tokens)[0].text
 
+    def expected_text(self, prompt: str, **sampling) -> str:
+        return self.oracle.complete([prompt], [None], **sampling)[0].text
+
     def replicas(self) -> dict:
         return self.admin("GET", "/v1/placement").json()["replicas"]
 
@@ -82,7 +89,6 @@ def cluster(s3_server, llama_dir, tmp_path_factory):  # noqa: F811
     import ray
     from ray import serve
 
-    from app.catalog.store import Catalog
     from app.main import build_app
     from loraland import LLMKernel
 
@@ -102,7 +108,7 @@ def cluster(s3_server, llama_dir, tmp_path_factory):  # noqa: F811
         # One push through the real console entry point in a subprocess, the rest in-process (faster).
         first = subprocess.run(
             [sys.executable, "-m", "app.cli", "adapters", "push", "ad00", str(folders["ad00"])]
-            + ["--to", f"s3://{BUCKET}/ad00", "--public", "--model", str(llama_dir), "--json"],
+            + ["--to", f"s3://{BUCKET}/e2e", "--public", "--model", str(llama_dir), "--json"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -114,20 +120,30 @@ def cluster(s3_server, llama_dir, tmp_path_factory):  # noqa: F811
                 continue
             owner = ["--tenant", "beta"] if name == "beta-secret" else ["--public"]
             rec = cli(
-                "adapters", "push", name, str(folder), "--to", f"s3://{BUCKET}/{name}", *owner,
+                "adapters", "push", name, str(folder), "--to", f"s3://{BUCKET}/e2e", *owner,
                 "--model", str(llama_dir), "--json", "--no-progress",
             )  # fmt: skip
-            assert rec["uri"] == f"s3://{BUCKET}/{name}"
+            assert rec["uri"] == f"s3://{BUCKET}/e2e/{name}/v1"  # --to is a root: NAME/vN/ under it
 
     oracle = LLMKernel(llama_dir, max_adapters=32, max_batch_size=64, dtype="float32")
     for name, folder in folders.items():
         oracle.load_adapter(name, folder, version=1)
+    # A poison for the isolation test: valid, but its forward overflows (inf/NaN logits). The CLI's push
+    # refuses such weights, so it is registered straight in the catalog, from a local root the replicas allow.
+    huge = scaled_adapter(root / "huge", 1e30)
+    info = adapter_summary(huge)
+    with Catalog(redis_url) as cat:
+        cat.register(
+            "huge", str(huge), files=info["files"], size=info["size"], rank=info["rank"], alpha=info["alpha"],
+            target_modules=info["target_modules"], base_model=oracle.model_config.identity(), tenant="alpha",
+        )  # fmt: skip
 
     port = free_port()
     worker_env = {
         **env,
         "LORALAND_CACHE_DIR": str(tmp_path_factory.mktemp("replica-cache")),
         "OMP_NUM_THREADS": "1",  # 2 cores shared by 2 replicas, the ingress and the oracle
+        "LORALAND_LOCAL_ROOTS": str(root),
         "TOKENIZERS_PARALLELISM": "false",
     }
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env}, log_to_driver=False)
@@ -147,7 +163,7 @@ def cluster(s3_server, llama_dir, tmp_path_factory):  # noqa: F811
         request_timeout_s=120,
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(cfg), name="loraland", route_prefix="/")
         catalog = Catalog(redis_url)
         yield Cluster(port, redis_url, keys, oracle, catalog)
@@ -281,7 +297,9 @@ def test_tenants_and_admin_routes(cluster):
     assert httpx.delete(f"{cluster.base}/v1/adapters/ad00", headers=tenant_key).status_code == 403
     # admin: register over HTTP from S3 (validated by a replica), use it, delete it
     r = cluster.admin(
-        "POST", "/v1/adapters", json={"name": "via-http", "source": f"s3://{BUCKET}/ad03", "public": True}
+        "POST",
+        "/v1/adapters",
+        json={"name": "via-http", "source": f"s3://{BUCKET}/e2e/ad03/v1", "public": True},
     )
     assert r.status_code == 201, r.text
     assert alpha.completions.create(model="via-http", prompt="x", max_tokens=4).choices[
@@ -294,6 +312,77 @@ def test_tenants_and_admin_routes(cluster):
         "404",
     )
     assert httpx.get(f"{cluster.base}/healthz").json()["catalog"] == "ok"
+
+
+def test_poison_requests_fail_alone_on_two_replicas(cluster):
+    """Issue 21 on 2 replicas: while tenant beta streams 200 tokens on each replica, alpha's poison requests,
+    sent to both, each fail alone with their documented status, and every beta stream carries exactly its
+    fault-free text. (The in-process test, tests/test_isolation_http.py, adds an injected fault in one row.)"""
+    prompt = "the quick brown fox"
+    alone = cluster.expected_text(prompt, max_tokens=200, ignore_eos=True)
+    b_body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    poisons = {
+        "temperature 1e-300": {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8, "temperature": 1e-300},
+        "seed 2**70": {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8, "temperature": 1.0,
+                       "seed": 2**70},
+        "huge adapter": {"model": "huge", "prompt": "hello", "max_tokens": 8, "temperature": 1.0},
+        "huge adapter, streamed": {"model": "huge", "prompt": "hello", "max_tokens": 8, "stream": True},
+    }  # fmt: skip
+    alpha, beta = ({"Authorization": f"Bearer {cluster.keys[t]}"} for t in ("alpha", "beta"))
+
+    async def go():
+        started = [asyncio.Event(), asyncio.Event()]
+        async with httpx.AsyncClient(base_url=cluster.base, timeout=300) as client:
+
+            async def b_stream(i: int) -> tuple[str, str, float]:
+                text, events = "", 0
+                async with client.stream("POST", "/v1/completions", json=b_body, headers=beta) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            ev = json.loads(line[6:])
+                            assert "error" not in ev, ev
+                            text += ev["choices"][0]["text"] if ev["choices"] else ""
+                            events += 1
+                            if events == 5:
+                                started[i].set()
+                    return text, r.headers.get("x-loraland-replica", ""), time.monotonic()
+
+            async def send_poisons() -> tuple[dict, float]:
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+                sends = [(name, k) for name in poisons for k in range(4)]  # several each: both replicas
+                first_reply = []
+
+                async def send(name: str) -> httpx.Response:
+                    r = await client.post("/v1/completions", json=poisons[name], headers=alpha)
+                    first_reply.append(time.monotonic())
+                    return r
+
+                replies = await asyncio.gather(*(send(n) for n, _ in sends))
+                return dict(zip(sends, replies)), min(first_reply)
+
+            *streams, (replies, poisoned_at) = await asyncio.gather(b_stream(0), b_stream(1), send_poisons())
+            return streams, replies, poisoned_at
+
+    streams, replies, poisoned_at = asyncio.run(go())
+    b_replicas = {rid for _, rid, _ in streams}
+    print(f"\nbeta streams on {sorted(b_replicas)}")
+    for text, _, ended in streams:
+        assert text == alone
+        assert ended > poisoned_at  # the poisons were answered while both beta streams were running
+    poisoned_on = set()
+    for (name, _), r in replies.items():
+        body = r.json()
+        poisoned_on.add(r.headers.get("x-loraland-replica", ""))
+        if name == "temperature 1e-300":
+            assert r.status_code == 200, body
+            assert body["choices"][0]["text"] == cluster.expected("hello", None, 8)
+        elif name == "seed 2**70":
+            assert (r.status_code, body["error"]["param"]) == (400, "seed"), body
+        else:
+            assert (r.status_code, body["error"]["code"]) == (400, "invalid_adapter"), body
+            assert body["error"]["message"].startswith("adapter 'huge@1' produced non-finite logits"), body
+    assert b_replicas - {""} <= poisoned_on, (b_replicas, poisoned_on)  # poisons met every beta stream
 
 
 def test_killed_replica_fails_clearly_and_comes_back(cluster):

@@ -158,13 +158,33 @@ def env_for_workers(cfg: AppConfig) -> dict[str, str]:
     return env
 
 
+def start_serve(attempts: int = 3, **options: Any) -> None:
+    """serve.start(**options), tried `attempts` times. On a busy machine Serve's controller can give up on its
+    HTTP proxy before the proxy's worker has even started ("HTTP proxies not available after 60s", the proxy
+    killed before it ran); a second start, from a clean shutdown, then succeeds."""
+    from ray import serve
+
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(**options)
+            return
+        except Exception as e:
+            if attempt == attempts:
+                raise
+            log.warning("serve.start failed (%s); shutting Serve down and trying again", str(e)[:200])
+            try:
+                serve.shutdown()
+            except Exception as shut:  # the controller may be half up; the next start replaces it
+                log.warning("serve.shutdown after a failed start: %s", str(shut)[:200])
+
+
 def deploy(cfg: AppConfig, *, host: str, port: int, blocking: bool = False):
     """Start Serve's HTTP proxy on host:port and deploy the application (Ray must be initialised)."""
     from ray import serve
 
     from app.main import build_app
 
-    serve.start(http_options={"host": host, "port": port})
+    start_serve(http_options={"host": host, "port": port})
     return serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
