@@ -224,22 +224,25 @@ def sample_with_logprobs(
     their generators, exactly as they would have been without it."""
     raw = logits.float()
     n = raw.shape[0]
-    x, bad = raw, None
+    sub, bad = None, {}
     if proc := [i for i, p in enumerate(params) if p.processed]:  # the fast path skips all of this
         if histories is None:
             raise ValueError("penalties, logit_bias and min_tokens need each row's token history")
-        x, bad = _processed(raw, proc, params, states, histories, stop_ids)
+        sub, top, bad = _processed(raw, proc, params, states, histories, stop_ids)
     # A row sum is inf/NaN if any of its logits is (argmax of a NaN row is garbage, so greedy rows count too):
     # one cheap pass over the whole tensor, one transfer with the argmax. Only the rows it flags are checked
     # element by element (a finite row's sum can overflow).
     flag = ~torch.isfinite(raw.sum(dim=-1))
-    head = torch.stack((x.argmax(dim=-1), flag.long())).tolist()
+    head = torch.stack((raw.argmax(dim=-1), flag.long())).tolist()
     out: list[int | Exception] = list(head[0])
+    if sub is not None:  # processed rows: their argmax is the processed logits'
+        for i, t in zip(proc, top):
+            out[i] = t
     if flagged := [i for i, f in enumerate(head[1]) if f]:
         exact = (~torch.isfinite(raw[flagged]).all(dim=-1)).tolist()
         for i in (i for i, b in zip(flagged, exact) if b):
             out[i] = NonFiniteLogits("non-finite logits (inf/NaN)")
-    for i, e in (bad or {}).items():
+    for i, e in bad.items():
         if not isinstance(out[i], Exception):
             out[i] = e
     if check is not None:
@@ -249,6 +252,11 @@ def sample_with_logprobs(
             except Exception as e:
                 out[i] = e
     rows = [i for i, p in enumerate(params) if not p.greedy and not isinstance(out[i], Exception)]
+    x = raw
+    if (
+        rows and sub is not None and any(not params[i].greedy for i in proc)
+    ):  # sampled rows read processed ones
+        x = raw.index_copy(0, torch.tensor(proc, device=raw.device), sub)
     if rows:
         try:
             probs = _probs(x, rows, params)
@@ -277,10 +285,10 @@ def _processed(
     states: list[SamplerState],
     histories: Seq[tuple[list[int], list[int]]],
     stop_ids: frozenset[int],
-) -> tuple[torch.Tensor, dict[int, Exception]]:
-    """The logits with rows `proc` processed (a new tensor: `raw` stays the model's, for logprobs), and the
-    rows that failed: an exception while processing one (found by redoing each row alone), or processing that
-    left no finite logit."""
+) -> tuple[torch.Tensor, list[int], dict[int, Exception]]:
+    """Rows `proc` of the logits, processed (a new tensor: `raw` stays the model's, for logprobs), their argmax,
+    and the rows that failed: an exception while processing one (found by redoing each row alone), or
+    processing that left no finite logit."""
     dev = raw.device
     bad: dict[int, Exception] = {}
     sub = raw.index_select(0, torch.tensor(proc, device=dev))
@@ -296,14 +304,15 @@ def _processed(
             except Exception as e:
                 bad[i] = e
     # -inf is expected (min_tokens masks); a row whose best logit is not finite has nothing to sample.
-    broken = (~torch.isfinite(sub.amax(dim=-1))).tolist()
+    best, at = sub.max(dim=-1)
+    top, broken = torch.stack((at, (~torch.isfinite(best)).long())).tolist()
     for j, i in enumerate(proc):
         if broken[j] and i not in bad:
             bad[i] = InvalidRequest(
                 "the sampling options (penalties, logit_bias, min_tokens) left no token with a finite logit: "
                 "relax them"
             )
-    return raw.index_copy(0, torch.tensor(proc, device=dev), sub), bad
+    return sub, top, bad
 
 
 def _probs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
