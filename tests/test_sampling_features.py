@@ -115,6 +115,25 @@ def test_prompt_logprobs_equal_hf_log_softmax(case, llama_dir, adapter):
     ]
 
 
+def test_preemption_keeps_prompt_logprobs_and_penalty_counts(case, llama_dir):
+    """A recompute after preemption neither repeats prompt log probabilities nor recounts penalized tokens."""
+    k, _, prompts = case
+    many = [p + q for p in prompts for q in prompts]
+    kw = dict(max_tokens=12, ignore_eos=True, prompt_logprobs=2, logprobs=1, repetition_penalty=1.5)
+    kw.update(presence_penalty=0.7, frequency_penalty=0.3)
+    want = k.complete(many, **kw)
+    with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=14, block_size=8, max_batch_size=16) as small:
+        got = small.complete(many, **kw)
+        assert small.engine.scheduler.num_preemptions > 0
+    for ids, a, b in zip(many, got, want):
+        assert a.token_ids == b.token_ids
+        assert [s.token_id for s in a.prompt_logprobs] == ids
+        assert (
+            max(abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]))
+            < 1e-4
+        )
+
+
 # ---- penalties, bias, min_tokens against HF --------------------------------------------------------------
 
 
