@@ -23,6 +23,11 @@ class KernelConfig:
     max_batch_size: int = 32  # running sequences per step
     gpu_memory_utilization: float = 0.9  # share of free device (or host) memory for weights + KV cache
     max_lora_rank: int = 64  # adapters (and merges' terms) above this rank are refused at load
+    # Full per-adapter copies of embed_tokens/lm_head (PEFT modules_to_save, or a saved base weight that differs
+    # from the served one): the most bytes one adapter may hold, at the served dtype (1 GiB: an lm_head of a
+    # 128k-vocabulary, 4096-wide model in bf16); above it the adapter is refused. 0 refuses every copy; None: no
+    # limit.
+    max_saved_module_bytes: int | None = 1 << 30
     dtype: str = "auto"  # one of DTYPES
     device: str = "auto"  # "auto" (cuda when available, else cpu), or a torch device string
     max_model_len: int | None = None  # prompt + output tokens; None: the model's max_position_embeddings
@@ -51,6 +56,9 @@ class KernelConfig:
         for name in ("max_cpu_adapters", "max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name), "or None")
+        m = self.max_saved_module_bytes
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"max_saved_module_bytes must be a number of bytes >= 0 or None, got {m!r}")
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")

@@ -93,6 +93,7 @@ class LLMKernel:
             device=self.model.device,
             on_ready=lambda: self.engine.wake(),
             base_weights=BaseWeights(folder),  # DoRA adapters' factors are computed from the checkpoint
+            max_saved_module_bytes=cfg.max_saved_module_bytes,
         )
         self.composition = Composition(self.adapter_manager, (self.model_id,))
         self.fairness = make_policy(

@@ -30,6 +30,12 @@ class LoraHook(Protocol):
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add every targeted adapter's delta for linear `group` ("qkv", "o", "gate_up", "down") into out."""
 
+    def embed(self, ids: torch.Tensor, h: torch.Tensor) -> None:
+        """h = the base embedding of ids [T]: apply each token's adapter's embed_tokens (LoRA or copy) in place."""
+
+    def head(self, rows: torch.Tensor, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """logits = lm_head(x), row i of token rows[i]: apply each row's adapter's lm_head (LoRA or copy)."""
+
 
 @dataclass
 class PrefillAttn:
@@ -262,6 +268,8 @@ class Model:
         h = F.embedding(b.input_ids, self.embed)  # a fresh tensor: the residual stream is updated in place
         cos, sin = self._rope(b.positions)
         lora = b.lora
+        if lora is not None:  # each token's adapter's embed_tokens (LoRA or copy), before any layer reads h
+            lora.embed(b.input_ids, h)
         stale = _stale_slots(b, kv.k[0].shape[1]) if b.decode_idx is not None else None
         for li, L in enumerate(self.layers):
             x = _rms_norm(h, L["ln1"], c.rms_norm_eps)
@@ -294,7 +302,10 @@ class Model:
                 lora.apply(li, "down", m, dn)
             h.add_(dn)
         h = _rms_norm(h.index_select(0, b.logits_idx), self.norm, c.rms_norm_eps)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        if lora is not None:  # each row is a sampled (or prompt-logprob) position: its own token's adapter
+            lora.head(b.logits_idx, h, logits)
+        return logits.float()
 
     def _attention(
         self,

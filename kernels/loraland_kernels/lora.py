@@ -214,6 +214,31 @@ def shrink(x: torch.Tensor, A: torch.Tensor, seg: Segments, *, method: str | Non
     return z
 
 
+def shrink_embedding(ids: torch.Tensor, A: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """Semantics: z[t] = A[s_t, ids[t]] for adapter tokens (LoRA on an embedding: PEFT's
+    F.embedding(ids, lora_embedding_A.T) with each token's own adapter), z[t] = 0 where s_t = -1.
+
+    ids int [T] token ids, A [S, vocab, r] (lora_embedding_A transposed per slot) -> z [T, r] in A's dtype. One
+    gather over A.view(S * vocab, r), whatever the number of adapters; then `expand` with B [S, r, hidden].
+    """
+    if ids.shape[0] != seg.num_tokens:
+        raise ValueError(
+            f"shrink_embedding: {ids.shape[0]} tokens but the Segments were built for {seg.num_tokens}"
+        )
+    if A.shape[0] < seg.span_hi:
+        raise ValueError(
+            f"shrink_embedding: the pool has {A.shape[0]} slots but the batch uses slot {seg.span_hi - 1}"
+        )
+    nb, vocab = seg.num_base, A.shape[1]
+    rows = A.reshape(-1, A.shape[2])  # a view: the pool is contiguous
+    za = F.embedding(seg.token_slot * vocab + ids[nb:].to(seg.token_slot.dtype), rows)
+    if nb == 0:
+        return za
+    z = za.new_zeros(seg.num_tokens, A.shape[2])
+    z[nb:] = za
+    return z
+
+
 def expand(
     y: torch.Tensor,
     z: torch.Tensor,

@@ -90,3 +90,17 @@ def dora_linear_ref(
     f = magnitude.float() / torch.linalg.norm(Wd, dim=1)
     y = f * (x.float() @ Wd.t())
     return y if bias is None else y + bias.float()
+
+
+def shrink_embedding_ref(ids: torch.Tensor, A: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """Semantics: z[t] = A[slot_ids[t], ids[t]] (the LoRA A of an embedding: PEFT's
+    F.embedding(ids, lora_embedding_A.T)), and z[t] = 0 where slot_ids[t] = -1.
+
+    ids int [T] token ids, A [S, vocab, r] (each slot's lora_embedding_A transposed), slot_ids int [T] -> z [T, r]
+    in float32.
+    """
+    z = torch.zeros(ids.shape[0], A.shape[2], dtype=torch.float32, device=ids.device)
+    for t in range(ids.shape[0]):
+        if int(slot_ids[t]) >= 0:
+            z[t] = A[int(slot_ids[t]), int(ids[t])].float()
+    return z

@@ -12,6 +12,8 @@ that fails it can never load anywhere and is refused at registration, by field, 
 - lora_A without lora_B (or the reverse), non-float dtypes (read from the header), tensors that are not 2-D,
   ranks that disagree with r/rank_pattern or exceed max_rank, and in/out sizes that no single model has;
 - NaN/inf values, and deltas too large to be a trained adapter (MAX_DELTA_NORM).
+- embed_tokens/lm_head (LoRA on them, modules_to_save copies, saved base weights): named by the config, 2-D,
+  floating point, finite, the rank r/rank_pattern says, and one vocabulary and hidden size across them.
 
 What needs the base model (hidden size, layer count) is checked by the replica at first load; a failure there
 marks the catalog record unloadable (app/replica/core.py, app/catalog/registry.py).
@@ -28,6 +30,7 @@ from app.config.model_config import ATTN_MODULES, LORA_MODULES, SUPPORTED_ARCHIT
 from app.replica.lora import peft_config as C
 from app.replica.lora.peft_config import WEIGHTS_FILE, refuse
 from app.replica.lora.peft_format import _parse_keys
+from app.replica.lora.weights import VOCAB_MODULES
 
 # Decoder layer indices must be below this. The deepest published Llama-family models have ~126 layers
 # (Llama-3.1-405B); 1024 leaves ample room for anything real and still refuses "layers.5000" at once.
@@ -46,6 +49,7 @@ _TARGET = re.compile(
     r"^(?:(?:model\.)?layers\.(?P<layer>\d+)\.)?(?:(?P<block>self_attn|mlp)\.)?(?P<module>[A-Za-z0-9_]+)$"
 )
 _GLOBAL_NAMES = ("model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+_VOCAB_TARGETS = ("embed_tokens", "model.embed_tokens", "lm_head")  # target_modules entries naming them
 
 
 def _block(module: str) -> str:
@@ -68,8 +72,10 @@ def check_adapter(folder: str | Path, *, max_rank: int) -> dict[str, Any]:
     _check_config_targets(folder, cfg, max_rank)
     try:
         with safe_open(folder / WEIGHTS_FILE, framework="pt", device="cpu") as f:
-            keys = _parse_keys(folder, list(f.keys()))
-            ranks = _check_header(folder, f, keys, cfg, max_rank)
+            vocab: dict[tuple[str, str], str] = {}
+            keys = _parse_keys(folder, list(f.keys()), vocab)
+            _check_vocab(folder, f, vocab, cfg, max_rank)
+            ranks = _check_header(folder, f, keys, cfg, max_rank, bool(vocab))
             _check_covered(folder, cfg, ranks)
             norm = _check_values(folder, f, keys, cfg, ranks)
     except SafetensorError as e:
@@ -101,16 +107,23 @@ def _check_config_targets(folder: Path, cfg: dict, max_rank: int) -> None:
         raise refuse(
             folder, f"target_modules={targets!r} must be a non-empty list of module names or a regex"
         )
+    if cfg.get("use_dora") and (
+        any(t in _VOCAB_TARGETS for t in targets)
+        if isinstance(targets, list)
+        else any(C._name_matches(targets, n) for n in ("model.embed_tokens", "lm_head"))
+    ):
+        raise refuse(
+            folder, "use_dora=true with embed_tokens/lm_head in target_modules: DoRA on them is not supported"
+        )
     for t in [] if isinstance(targets, str) else targets:
+        if t in _VOCAB_TARGETS:
+            continue
         m = _TARGET.match(t)
         if m is None or m["module"] not in LORA_MODULES or (m["block"] and m["block"] != _block(m["module"])):
-            what = (
-                "LoRA on embed_tokens/lm_head is not supported"
-                if "embed" in t or "lm_head" in t
-                else "it is not a linear of a Llama/Mistral/Qwen2 decoder layer"
-            )
             raise refuse(
-                folder, f"target_modules: unknown target module {t!r} ({what}); supported: {LORA_MODULES}"
+                folder,
+                f"target_modules: unknown target module {t!r} (it is not a linear of a Llama/Mistral/Qwen2 "
+                f"decoder layer, nor embed_tokens/lm_head); supported: {LORA_MODULES + VOCAB_MODULES}",
             )
         if m["layer"] is not None and int(m["layer"]) >= MAX_LAYERS:
             raise refuse(folder, f"target_modules entry {t!r}: layer {m['layer']} is past {MAX_LAYERS}")
@@ -126,7 +139,9 @@ def _shape(f: Any, key: str) -> list[int]:
     return list(f.get_slice(key).get_shape())
 
 
-def _check_header(folder: Path, f: Any, keys: dict, cfg: dict, max_rank: int) -> dict[tuple[int, str], int]:
+def _check_header(
+    folder: Path, f: Any, keys: dict, cfg: dict, max_rank: int, has_vocab: bool = False
+) -> dict[tuple[int, str], int]:
     """Layer indices, A/B pairs, dtypes, ranks and sizes from the header alone; -> {(layer, module): rank}."""
     for (layer, _module, _ab), key in sorted(keys.items()):
         if layer >= MAX_LAYERS:
@@ -146,7 +161,7 @@ def _check_header(folder: Path, f: Any, keys: dict, cfg: dict, max_rank: int) ->
                     folder,
                     f"layer {lay} {mod} has lora_{'BA'[ab == 'B']} but no lora_{ab}: the file is incomplete",
                 )
-    if not pairs:
+    if not pairs and not has_vocab:
         raise refuse(folder, f"{WEIGHTS_FILE} holds no lora_A/lora_B tensors")
     _check_magnitudes(folder, f, keys, pairs, bool(cfg.get("use_dora")))
     ranks, sizes = {}, {}
@@ -234,7 +249,7 @@ def _check_covered(folder: Path, cfg: dict, ranks: dict[tuple[int, str], int]) -
             )
     if isinstance(targets, str):
         present = sorted({lay for lay, _ in ranks})
-        others = [*_GLOBAL_NAMES] + [
+        others = [n for n in _GLOBAL_NAMES if n not in C.VOCAB_NAMES.values()] + [
             f"model.layers.{i}.{part}"
             for i in present
             for part in ("self_attn", "mlp", "mlp.act_fn", "input_layernorm", "post_attention_layernorm")
@@ -248,7 +263,11 @@ def _check_covered(folder: Path, cfg: dict, ranks: dict[tuple[int, str], int]) -
             )
     elif not exclude:
         modules = {mod for _, mod in ranks}
-        missing = [t for t in targets if not any(C._name_matches([t], full_name(0, m)) for m in modules)]
+        missing = [
+            t
+            for t in targets
+            if t not in _VOCAB_TARGETS and not any(C._name_matches([t], full_name(0, m)) for m in modules)
+        ]
         missing = [t for t in missing if (m := _TARGET.match(t)) and m["layer"] is None]
         if missing:
             raise refuse(
@@ -289,3 +308,61 @@ def _check_values(folder: Path, f: Any, keys: dict, cfg: dict, ranks: dict) -> f
             )
         worst = max(worst, norm)
     return worst
+
+
+def _check_vocab(folder: Path, f: Any, vocab: dict[tuple[str, str], str], cfg: dict, max_rank: int) -> None:
+    """embed_tokens/lm_head tensors: those the config names (LoRA by target_modules, copies by
+    modules_to_save) and no others, with the ranks it says, one vocabulary and hidden size, finite floats."""
+    import torch
+
+    names = [*_GLOBAL_NAMES] + [full_name(0, m) for m in LORA_MODULES]
+    saved = C.saved_modules(folder, cfg, names)
+    targets = cfg["target_modules"]
+    lora = {
+        m for m, n in C.VOCAB_NAMES.items() if C._name_matches(targets, n) and not (
+            cfg.get("exclude_modules") and C._name_matches(cfg["exclude_modules"], n))
+    }  # fmt: skip
+    if lora & saved:
+        raise refuse(folder, f"{sorted(lora & saved)[0]} is in both target_modules and modules_to_save")
+    sizes: dict[str, int] = {}
+    for (mod, kind), key in sorted(vocab.items()):
+        if not (mod in saved if kind == "copy" else mod in lora):
+            why = "modules_to_save" if kind == "copy" else "target_modules"
+            raise refuse(
+                folder, f"tensor {key} but {why} does not name {mod}: the config does not describe it"
+            )
+        shape, dtype = _shape(f, key), f.get_slice(key).get_dtype()
+        if dtype not in _FLOAT_DTYPES and not dtype.startswith("F8"):
+            raise refuse(folder, f"tensor {key} has dtype {dtype}: weights must be floating point")
+        if len(shape) != 2 or min(shape) < 1:
+            raise refuse(folder, f"tensor {key} has shape {shape}: expected a 2-D weight")
+        emb = mod == "embed_tokens"
+        if kind in ("A", "B"):
+            r = shape[0] if kind == "A" else shape[1]
+            want = int(C._pattern_value(folder, cfg.get("rank_pattern") or {}, C.VOCAB_NAMES[mod], cfg["r"]))
+            if r != want or r > max_rank:
+                raise refuse(
+                    folder, f"tensor {key} has rank {r}; adapter_config.json says r={want} (max {max_rank})"
+                )
+            other = shape[1] if kind == "A" else shape[0]
+            dim = "vocab" if (kind == "A") == emb else "hidden"
+        else:
+            if sizes.setdefault("vocab", shape[0]) != shape[0]:
+                raise refuse(
+                    folder,
+                    f"tensor {key} has {shape[0]} rows, other tensors a vocabulary of {sizes['vocab']}",
+                )
+            other, dim = shape[1], "hidden"
+        if sizes.setdefault(dim, other) != other:
+            raise refuse(
+                folder,
+                f"tensor {key} has {dim} size {other}, other tensors {sizes[dim]}: the file is corrupt",
+            )
+        if not torch.isfinite(f.get_tensor(key).to(torch.float64)).all():
+            raise refuse(folder, f"tensor {key} holds NaN or inf values: the adapter is corrupt")
+    for m in saved:
+        if (m, "copy") not in vocab:
+            raise refuse(folder, f"modules_to_save names {m} but {WEIGHTS_FILE} has no {m}.weight")
+    for m in lora:
+        if not {(m, "A"), (m, "B")} <= set(vocab):
+            raise refuse(folder, f"target_modules names {m} but {WEIGHTS_FILE} lacks its LoRA A or B")

@@ -72,6 +72,14 @@ class BaseWeights:
             )
         return w
 
+    def vocab_weight(self, module: str) -> torch.Tensor:
+        """The [vocab, hidden] weight of embed_tokens or lm_head (a tied lm_head is the embedding), fp32."""
+        w = self._get("lm_head.weight") if module == "lm_head" else None
+        w = self._get("model.embed_tokens.weight") if w is None else w
+        if w is None:
+            raise InvalidAdapter(f"the base model in {self.folder} has no model.embed_tokens.weight")
+        return w
+
     def bias(self, layer: int, module: str) -> torch.Tensor | None:
         """bias [out] of `module` in `layer` (fp32), None when the base linear has none; cached (small)."""
         key = (layer, module)

@@ -31,6 +31,7 @@ from app import metrics
 from app.config.model_config import ModelConfig
 from app.replica.lora.dora import BaseWeights, with_dora_scales
 from app.replica.lora.pools import LoraBatch, Pool, PoolPlan, signature
+from app.replica.lora.vocab import with_vocab_copies
 from app.replica.lora.weights import LoraWeights
 from app.replica.sequence import Sequence
 
@@ -65,13 +66,17 @@ class AdapterManager:
         device,
         on_ready: Callable[[], None] = lambda: None,
         base_weights: BaseWeights | None = None,
+        max_saved_module_bytes: int | None = None,
     ):
         """`base_weights`: the base model's checkpoint, read once per DoRA adapter load (None: DoRA adapters
-        are refused with a message saying so)."""
+        are refused with a message saying so) and per adapter carrying embed_tokens/lm_head base weights.
+        `max_saved_module_bytes`: the most bytes of full embed_tokens/lm_head copies one adapter may hold
+        (vocab.py; None: no limit)."""
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
         self.cfg, self.dtype, self.device = model_cfg, dtype, device
         self.base_weights = base_weights
+        self.max_saved_module_bytes = max_saved_module_bytes
         self.max_adapters = max_adapters
         self.max_cpu_adapters = max_cpu_adapters or max(2 * max_adapters, 64)
         self.entries: dict[str, AdapterEntry] = {}
@@ -101,7 +106,7 @@ class AdapterManager:
         InvalidAdapter for a DoRA adapter the base weights do not fit."""
         key = f"{name}@{version}"
         if weights is not None:
-            weights = with_dora_scales(weights, self.base_weights)  # the caller's thread, not the engine's
+            weights = self._prepare(weights)  # the caller's thread, not the engine's
         with self._lock:
             gone = [k for k in parts if k not in self.entries or self.entries[k].retired]
             if gone:
@@ -261,8 +266,20 @@ class AdapterManager:
             self.on_ready()
 
         loader = e.loader
-        e.loading = self._loader.submit(lambda: with_dora_scales(loader(), self.base_weights))
+        e.loading = self._loader.submit(lambda: self._prepare(loader()))
         e.loading.add_done_callback(done)
+
+    def _prepare(self, lw: LoraWeights) -> LoraWeights:
+        """What an adapter needs from the base weights before it is stored: DoRA's factors, and its saved
+        embed_tokens/lm_head weights resolved and size-checked. Never on the engine thread."""
+        lw = with_dora_scales(lw, self.base_weights)
+        return with_vocab_copies(
+            lw,
+            self.base_weights,
+            max_bytes=self.max_saved_module_bytes,
+            dtype=self.dtype,
+            tied=self.cfg.tie_word_embeddings,
+        )
 
     def _install(self, e: AdapterEntry) -> bool:
         resident = [x for x in self.entries.values() if x.slot is not None]

@@ -43,6 +43,12 @@ def merge_adapters(
                 f"adapter {lw.name!r} is a DoRA adapter (use_dora): merging DoRA adapters is not supported "
                 "(PEFT's add_weighted_adapter ignores their magnitude vectors); serve it on its own"
             )
+        if lw.touches_vocab:
+            raise InvalidRequest(
+                f"adapter {lw.name!r} adapts embed_tokens/lm_head (LoRA on them or modules_to_save): merging such "
+                "adapters is not supported (a merge of full copies has no LoRA form); serve it on its own or in a "
+                "chain"
+            )
     keys = sorted({k for lw, _ in terms for k in lw.tensors})
     for key in keys:
         shapes = {

@@ -1,7 +1,8 @@
 """adapter_config.json: what PEFT's config says, checked before any tensor is read.
 
-Everything that would make our forward differ from PEFT's (biases, modules_to_save, embeddings,
-fan_in_fan_out, ...) is refused with an InvalidAdapter that names the field, rather than served subtly wrong.
+Everything that would make our forward differ from PEFT's (biases, fan_in_fan_out, modules_to_save of anything
+but embed_tokens/lm_head, ...) is refused with an InvalidAdapter that names the field, rather than served subtly
+wrong. LoRA on embed_tokens/lm_head and modules_to_save of them are served (weights.py, vocab.py).
 Targets, rank_pattern and alpha_pattern are resolved by PEFT's own matching rules against the base model's
 module names, so the (layer, module) pairs and ranks we expect are the ones PEFT would have created.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from app.config.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from app.errors import InvalidAdapter
 from app.replica.lora import safe_regex
+from app.replica.lora.weights import VOCAB_MODULES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -25,10 +27,10 @@ PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "
 
 # Config fields that change PEFT's forward in ways a plain B@A delta does not reproduce: each must be falsy.
 _REFUSED_FIELDS = {
-    "modules_to_save": "it replaces whole modules (often lm_head or a classifier); LoRA-Land only adds deltas",
     "fan_in_fan_out": "it is for Conv1D (GPT-2 style) layers, which Llama/Mistral/Qwen2 do not have",
     "lora_bias": "LoRA-Land's deltas carry no bias; retrain with lora_bias=False",
-    "trainable_token_indices": "it edits embedding rows; LoRA on embeddings is not supported",
+    "trainable_token_indices": "it trains selected embedding rows (TrainableTokens); not supported: use LoRA on "
+    "embed_tokens or modules_to_save",
     "layer_replication": "it duplicates decoder layers, which changes the base model",
     "target_parameters": "LoRA on raw parameters (e.g. MoE experts) is not supported",
     "use_qalora": "QA-LoRA pools the input; not supported",
@@ -180,8 +182,14 @@ def _name_matches(pattern: str | list[str], name: str) -> bool:
     return any(name == t or name.endswith("." + t) for t in pattern)
 
 
-def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig) -> set[tuple[int, str]]:
-    """(layer, module) pairs that PEFT would wrap in LoRA for this config on this base model."""
+def vocab_targets(folder: Path, cfg: dict[str, Any], model: ModelConfig) -> set[str]:
+    """The VOCAB_MODULES ("embed_tokens", "lm_head") that PEFT would wrap in LoRA for this config."""
+    return targets(folder, cfg, model, vocab_only=True)
+
+
+def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig, *, vocab_only: bool = False) -> set:
+    """(layer, module) pairs of decoder linears that PEFT would wrap in LoRA for this config on this base model
+    (possibly none when it targets embed_tokens/lm_head only); with vocab_only, those VOCAB_MODULES instead."""
     wanted_mods, exclude = cfg.get("target_modules"), cfg.get("exclude_modules")
     if (
         not isinstance(wanted_mods, (str, list))
@@ -200,24 +208,33 @@ def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig) -> set[tuple[
             hit_other = [n for n in hit_other if not _name_matches(exclude, n)]
     except re.error as e:
         raise refuse(folder, f"target_modules/exclude_modules is not a valid regex ({e})") from None
-    emb = [n for n in hit_other if n.endswith(("embed_tokens", "lm_head"))]
-    if emb:
+    vocab = [n for n in hit_other if n.endswith(VOCAB_MODULES)]
+    if vocab and cfg.get("use_dora"):
         raise refuse(
             folder,
-            f"target_modules={wanted_mods!r} matches {emb[0]}: LoRA on embed_tokens/lm_head is not "
-            f"supported; target only the decoder projections {LORA_MODULES}",
+            f"target_modules={wanted_mods!r} matches {vocab[0]} with use_dora=true: DoRA on embed_tokens/lm_head "
+            f"is not supported; use DoRA on the decoder projections {LORA_MODULES} only",
         )
+    if vocab and cfg.get("layers_to_transform") not in (None, []):
+        raise refuse(
+            folder,
+            f"target_modules={wanted_mods!r} matches {vocab[0]} together with layers_to_transform: "
+            "embed_tokens/lm_head have no layer index; not supported",
+        )
+    hit_other = [n for n in hit_other if n not in vocab]
     unknown = hit_other or (
-        [t for t in wanted_mods if not any(_name_matches([t], n) for n in linear)]
+        [t for t in wanted_mods if not any(_name_matches([t], n) for n in [*linear, *vocab])]
         if isinstance(wanted_mods, list)
         else []
     )
-    if unknown or not hit_linear:
+    if unknown or not (hit_linear or vocab):
         raise refuse(
             folder,
             f"target_modules={wanted_mods!r}: unknown target module {unknown[:3] or wanted_mods!r}; "
-            f"supported: {LORA_MODULES}",
+            f"supported: {LORA_MODULES + VOCAB_MODULES}",
         )
+    if vocab_only:
+        return {n.split(".")[-1] for n in vocab}
     if cfg.get("layers_pattern") not in (None, "", "layers", ["layers"], []):
         raise refuse(folder, f"layers_pattern={cfg['layers_pattern']!r}: Llama-family models use 'layers'")
     layers = cfg.get("layers_to_transform")
@@ -234,7 +251,7 @@ def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig) -> set[tuple[
                 f"layers_to_transform {bad} out of range: the base model has {model.num_layers} layers",
             )
         hit_linear = {n for n in hit_linear if linear[n][0] in layers}
-    if not hit_linear:
+    if not hit_linear and not vocab:
         raise refuse(
             folder, "target_modules, exclude_modules and layers_to_transform leave no module to adapt"
         )
@@ -270,3 +287,47 @@ def scales(
         t: float(_pattern_value(folder, pat, names[t], cfg["lora_alpha"])) / (math.sqrt(r) if rslora else r)
         for t, r in ranks.items()
     }
+
+
+VOCAB_NAMES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}  # PEFT's full module names
+
+
+def saved_modules(folder: Path, cfg: dict[str, Any], names: list[str]) -> set[str]:
+    """The VOCAB_MODULES that modules_to_save names (PEFT's rule: an entry matches every module name ending with
+    it), among the base model's module `names`; any other module it names is refused, by name."""
+    entries = cfg.get("modules_to_save") or []
+    entries = [entries] if isinstance(entries, str) else entries
+    out = set()
+    for t in entries:
+        hits = [n for n in names if n.endswith(t)]
+        other = [n for n in hits if n not in VOCAB_NAMES.values()]
+        if other or not hits:
+            raise refuse(
+                folder,
+                f"modules_to_save entry {t!r} names {other[0] if other else 'no module of this model'}: only "
+                "embed_tokens and lm_head can be saved whole (modules_to_save); LoRA-Land adds deltas elsewhere",
+            )
+        out |= {n.split(".")[-1] for n in hits}
+    return out
+
+
+def module_names(model: ModelConfig) -> list[str]:
+    """Every module name of the base causal LM (what PEFT matches modules_to_save against)."""
+    return [*linear_names(model), *_other_names(model)]
+
+
+def vocab_ranks_scales(
+    folder: Path, cfg: dict[str, Any], model: ModelConfig
+) -> tuple[dict[str, int], dict[str, float]]:
+    """Rank and scale of every LoRA-targeted VOCAB_MODULE (r/alpha, or rank_pattern/alpha_pattern by its name)."""
+    rp, ap, rslora = (
+        cfg.get("rank_pattern") or {},
+        cfg.get("alpha_pattern") or {},
+        bool(cfg.get("use_rslora")),
+    )
+    ranks, scales = {}, {}
+    for m in sorted(vocab_targets(folder, cfg, model)):
+        r = int(_pattern_value(folder, rp, VOCAB_NAMES[m], cfg["r"]))
+        alpha = float(_pattern_value(folder, ap, VOCAB_NAMES[m], cfg["lora_alpha"]))
+        ranks[m], scales[m] = r, alpha / (math.sqrt(r) if rslora else r)
+    return ranks, scales

@@ -3,6 +3,11 @@
 An adapter folder holds adapter_config.json (checked by peft_config.py) and adapter_model.safetensors (PEFT's
 `save_pretrained`): lora_A/lora_B per targeted linear, and with use_dora a lora_magnitude_vector. Pickled weights (adapter_model.bin) are never opened: unpickling runs arbitrary code. The
 tensor file is checked from its header (keys, shapes) before any tensor data is read.
+
+embed_tokens/lm_head (weights.py's VOCAB_MODULES) as PEFT saves them: LoRA on embed_tokens as
+`embed_tokens.lora_embedding_A/B` (no `.weight`), on lm_head as `lm_head.lora_A/B.weight`, the base weight beside a
+LoRA on either as `<module>.base_layer.weight` (save_embedding_layers, on by default then), and modules_to_save as
+`<module>.weight`.
 """
 
 from __future__ import annotations
@@ -27,17 +32,37 @@ _KEY = re.compile(
     r"|lora_magnitude_vector(?:\.(?!weight$)(?P<mag_adapter>[\w\-]+))?(?:\.weight)?)$"
 )
 
+_VOCAB_KEY = re.compile(
+    r"^(?:.*\.)?(?P<module>embed_tokens|lm_head)\.(?:"
+    r"lora_embedding_(?P<eab>A|B)(?:\.(?P<eadapter>[\w\-]+))?"
+    r"|lora_(?P<ab>A|B)(?:\.(?P<adapter>[\w\-]+))?\.weight"
+    r"|(?P<base>base_layer\.)?weight)$"
+)
 
-def _parse_keys(folder: Path, keys: list[str]) -> dict[tuple[int, str, str], str]:
+
+def _parse_keys(
+    folder: Path, keys: list[str], vocab: dict[tuple[str, str], str] | None = None
+) -> dict[tuple[int, str, str], str]:
     """Map (layer, module, 'A'|'B'|'M') -> tensor key ('M': DoRA's magnitude); refuse anything that is not a
-    LoRA A/B (or DoRA magnitude) of a decoder linear."""
+    LoRA A/B (or DoRA magnitude) of a decoder linear, or one of embed_tokens/lm_head's tensors. Those go into
+    `vocab` (when given) as (module, 'A'|'B'|'base'|'copy') -> key."""
     out: dict[tuple[int, str, str], str] = {}
     names: set[str] = set()
     for key in keys:
-        if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
-            raise refuse(
-                folder, f"tensor {key}: LoRA on embed_tokens/lm_head is not supported (target_modules)"
-            )
+        v = _VOCAB_KEY.match(key)
+        if v is not None:
+            ab = v["eab"] or v["ab"]
+            if ab is not None and (v["eab"] is not None) != (v["module"] == "embed_tokens"):
+                raise refuse(
+                    folder,
+                    f"tensor {key}: PEFT saves LoRA on embed_tokens as lora_embedding_A/B and on lm_head as "
+                    "lora_A/B.weight; this file mixes them up",
+                )
+            if ab is not None:
+                names.add(v["eadapter"] or v["adapter"] or "")
+            if vocab is not None:
+                vocab[(v["module"], ab or ("base" if v["base"] else "copy"))] = key
+            continue
         m = _KEY.match(key)
         if m is None:
             raise refuse(
@@ -98,29 +123,46 @@ def read_adapter(
             folder, f"{WEIGHTS_FILE} is {weights.stat().st_size} bytes, over the {max_bytes}-byte limit"
         )
     ranks = C.ranks(folder, cfg, model)
-    if max(ranks.values()) > max_rank:
+    vranks, vscales = C.vocab_ranks_scales(folder, cfg, model)
+    saved = C.saved_modules(folder, cfg, C.module_names(model))
+    if cfg.get("ensure_weight_tying") and (saved or vranks) and model.tie_word_embeddings:
         raise refuse(
             folder,
-            f"r={max(ranks.values())} (r/rank_pattern) exceeds max_lora_rank={max_rank}: use a smaller rank",
+            "ensure_weight_tying=true on a model with tied embeddings ties the adapter's embed_tokens and "
+            "lm_head: not supported; train without it (PEFT then adapts the two modules independently, as "
+            "LoRA-Land serves them)",
         )
+    both = saved & set(vranks)
+    if both:
+        raise refuse(
+            folder,
+            f"{sorted(both)[0]} is in both target_modules and modules_to_save: PEFT trains one or the other",
+        )
+    top = max([*ranks.values(), *vranks.values()])
+    if top > max_rank:
+        raise refuse(folder, f"r={top} (r/rank_pattern) exceeds max_lora_rank={max_rank}: use a smaller rank")
     scales = C.scales(folder, cfg, model, ranks)
     use_dora = bool(cfg.get("use_dora"))
     try:
         with safe_open(weights, framework="pt", device="cpu") as f:
-            tensors, magnitude = _read_tensors(folder, f, model, ranks, use_dora)
+            vkeys: dict[tuple[str, str], str] = {}
+            tensors, magnitude = _read_tensors(folder, f, model, ranks, use_dora, vkeys)
+            vocab, copies, base_layers = _read_vocab(folder, f, model, vkeys, vranks, saved)
     except SafetensorError as e:
         raise refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
-    scale = next(iter(scales.values()))
-    folded = any(s != scale for s in scales.values())
+    every = [*scales.values(), *vscales.values()]
+    scale = every[0]
+    folded = any(s != scale for s in every)
     if folded:  # alpha/rank patterns: fold each module's scale into its A
         tensors = {k: (a * scales[k], b) for k, (a, b) in tensors.items()}
+        vocab = {k: (a * vscales[k], b) for k, (a, b) in vocab.items()}
         scale = 1.0
     padded = pad_ranks(tensors)
     patterned = folded or any(padded[k][0].shape != tensors[k][0].shape for k in tensors)
     tensors = padded
     return LoraWeights(
         name=name or folder.name,
-        rank=max(a.shape[0] for a, _ in tensors.values()),
+        rank=max(a.shape[0] for a, _ in [*tensors.values(), *vocab.values()]),
         alpha=float(cfg["lora_alpha"]),
         use_rslora=bool(cfg.get("use_rslora")),
         scale=scale,
@@ -130,6 +172,9 @@ def read_adapter(
         source=str(folder),
         magnitude=magnitude if use_dora else None,
         patterned=patterned,
+        vocab_tensors=vocab,
+        vocab_copies=copies,
+        base_layers=base_layers,
     )
 
 
@@ -164,15 +209,19 @@ def _check_keys(folder: Path, keys: dict, model: ModelConfig, ranks: dict[tuple[
 
 
 def _read_tensors(
-    folder: Path, f: Any, model: ModelConfig, ranks: dict[tuple[int, str], int], use_dora: bool
+    folder: Path,
+    f: Any,
+    model: ModelConfig,
+    ranks: dict[tuple[int, str], int],
+    use_dora: bool,
+    vocab: dict[tuple[str, str], str] | None = None,
 ) -> tuple[Tensors, dict]:
     """Check the file's keys against the config's targets and each tensor against the base model, then load
     the (A, B) pairs (and DoRA's magnitudes) as fp32. Shapes are checked from the header before any tensor
     data is read."""
-    import torch
 
     shapes = model.linear_shapes()
-    keys = _parse_keys(folder, list(f.keys()))
+    keys = _parse_keys(folder, list(f.keys()), vocab)
     _check_keys(folder, keys, model, ranks)
     magnitude = _read_magnitudes(folder, f, keys, ranks, shapes, use_dora)
     tensors = {}
@@ -188,17 +237,79 @@ def _read_tensors(
                     f"tensor {key} has shape {got}, expected {want} (r={r}, {mod} is "
                     f"{n_in}->{n_out}): the adapter does not fit this base model or its r is wrong",
                 )
-            t = f.get_tensor(key)
-            if not t.is_floating_point():
-                raise refuse(folder, f"tensor {key} has dtype {t.dtype}: LoRA weights must be floating point")
-            t = t.to(torch.float32)
-            if not torch.isfinite(t).all():
-                raise refuse(folder, f"tensor {key} holds NaN or inf values: the adapter is corrupt")
+            t = _float_tensor(folder, f, key)
             # Same values, column-major storage: the device pools hold A^T and B^T, so installing an adapter
             # (on the engine's step thread) is then a plain copy; the transpose is paid here, off that thread.
             pair.append(t.t().contiguous().t())
         tensors[(lay, mod)] = (pair[0], pair[1])
     return tensors, magnitude
+
+
+def _float_tensor(folder: Path, f: Any, key: str) -> Any:
+    import torch
+
+    t = f.get_tensor(key)
+    if not t.is_floating_point():
+        raise refuse(folder, f"tensor {key} has dtype {t.dtype}: LoRA weights must be floating point")
+    t = t.to(torch.float32)
+    if not torch.isfinite(t).all():
+        raise refuse(folder, f"tensor {key} holds NaN or inf values: the adapter is corrupt")
+    return t
+
+
+def _read_vocab(
+    folder: Path,
+    f: Any,
+    model: ModelConfig,
+    keys: dict[tuple[str, str], str],
+    ranks: dict[str, int],
+    saved: set[str],
+) -> tuple[dict, dict, dict]:
+    """embed_tokens/lm_head: (LoRA (A, B) per targeted module, modules_to_save copies, saved base weights), each
+    checked against the config (targets, modules_to_save) and the base model's shapes, as fp32."""
+    V, H = model.vocab_size, model.hidden_size
+    for (mod, kind), key in keys.items():
+        expected = mod in saved if kind == "copy" else mod in ranks
+        if not expected:
+            why = "modules_to_save" if kind == "copy" else "target_modules"
+            raise refuse(
+                folder,
+                f"tensor {key} but {why} does not name {mod}: adapter_config.json does not describe these weights",
+            )
+    lora, copies, base = {}, {}, {}
+    for mod, r in sorted(ranks.items()):
+        want = {"A": [r, V], "B": [H, r]} if mod == "embed_tokens" else {"A": [r, H], "B": [V, r]}
+        pair = []
+        for ab in "AB":
+            key = keys.get((mod, ab))
+            if key is None:
+                raise refuse(folder, f"target_modules names {mod} but {WEIGHTS_FILE} has no lora_{ab} for it")
+            got = list(f.get_slice(key).get_shape())
+            if got != want[ab]:
+                raise refuse(
+                    folder,
+                    f"tensor {key} has shape {got}, expected {want[ab]} (r={r}, vocabulary {V}, hidden size "
+                    f"{H}): the adapter does not fit this base model (a resized vocabulary?)",
+                )
+            pair.append(_float_tensor(folder, f, key))
+        lora[mod] = (pair[0], pair[1])
+    for mod, kind, into in [(m, "copy", copies) for m in sorted(saved)] + [
+        (m, "base", base) for m in sorted(ranks)
+    ]:
+        key = keys.get((mod, kind))
+        if key is None:
+            if kind == "copy":
+                raise refuse(folder, f"modules_to_save names {mod} but {WEIGHTS_FILE} has no {mod}.weight")
+            continue  # saved with save_embedding_layers=False: the base weight is the served one
+        got = list(f.get_slice(key).get_shape())
+        if got != [V, H]:
+            raise refuse(
+                folder,
+                f"tensor {key} has shape {got}, expected [{V}, {H}] (vocabulary, hidden size): the adapter was "
+                "trained with a resized vocabulary or for another base model",
+            )
+        into[mod] = _float_tensor(folder, f, key)
+    return lora, copies, base
 
 
 def _read_magnitudes(folder: Path, f: Any, keys: dict, ranks: dict, shapes: dict, use_dora: bool) -> dict:
@@ -243,7 +354,8 @@ def adapter_summary(folder: str | Path) -> dict:
     cfg = C.load_config(folder)
     try:
         with safe_open(folder / WEIGHTS_FILE, framework="pt", device="cpu") as f:
-            keys = _parse_keys(folder, list(f.keys()))
+            vocab: dict[tuple[str, str], str] = {}
+            keys = _parse_keys(folder, list(f.keys()), vocab)
     except SafetensorError as e:
         raise refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
     files = {n: sha256_file(folder / n) for n in (CONFIG_FILE, WEIGHTS_FILE)}
@@ -252,7 +364,7 @@ def adapter_summary(folder: str | Path) -> dict:
         "alpha": float(cfg["lora_alpha"]),
         "use_rslora": bool(cfg.get("use_rslora")),
         "use_dora": bool(cfg.get("use_dora")),
-        "target_modules": sorted({m for _, m, _ in keys}),
+        "target_modules": sorted({m for _, m, _ in keys} | {m for m, k in vocab if k in ("A", "B")}),
         "layers": sorted({lay for lay, _, _ in keys}),
         "files": files,
         "size": sum((folder / n).stat().st_size for n in files),

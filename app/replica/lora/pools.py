@@ -7,6 +7,12 @@ all three) and one B [cap, r, out] per module with alpha/r folded in. A DoRA poo
 factor f [cap, out] (dora.py) and the base linear's bias [out] (shared by the slots): its B has f folded in too,
 and the expand rescales the base output of its rows by f (kernels/loraland_kernels/lora.py). Plain LoRA pools carry neither.
 
+LoRA on embed_tokens/lm_head sits in the pool too (`vocab_groups`, the same layout: embed_tokens' A is its
+lora_embedding_A transposed, [cap, vocab, r], read by the kernels' shrink_embedding; lm_head's is [cap, hidden, r]),
+and full per-adapter copies (modules_to_save) one tensor per slot (`copies`): they are large, so never stacked.
+The model calls `LoraBatch.embed` right after the embedding and `LoraBatch.head` right after the lm_head, whose
+rows are only the sampled positions (`logits_idx`): each row takes its token's adapter.
+
 Pools are touched only on the engine thread (install on admit, remove on eviction, reads in LoraBatch.apply).
 """
 
@@ -16,6 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from loraland_kernels import lora as K
 
 from app.config.model_config import ModelConfig
@@ -35,6 +42,8 @@ class Signature(NamedTuple):
 
     ranks: tuple[tuple[int, str, int], ...]
     dora: bool = False
+    vocab: tuple[tuple[str, int], ...] = ()  # LoRA on embed_tokens/lm_head: (module, rank)
+    copies: tuple[str, ...] = ()  # modules_to_save: modules held whole per slot
 
 
 class ModuleB(NamedTuple):
@@ -143,6 +152,15 @@ class Pool:
                     self.groups[(layer, g)] = GroupWeights(
                         self.cap, shapes[modules[0]][0], present, dtype, device, bias
                     )
+        V, H = cfg.vocab_size, cfg.hidden_size
+        self.vocab_groups = {
+            m: GroupWeights(self.cap, V if m == "embed_tokens" else H, [(m, r, H if m == "embed_tokens" else V, 0)],
+                            dtype, device)
+            for m, r in signature.vocab
+        }  # fmt: skip
+        self.copies: dict[str, dict[int, torch.Tensor]] = {m: {} for m in signature.copies}
+        self.copy_bytes = len(signature.copies) * V * H * torch.empty(0, dtype=dtype).element_size()
+        self.dtype, self.device = dtype, device
         self.free = list(range(self.cap - 1, -1, -1))  # lowest index first keeps the high-water mark tight
         self.used: set[int] = set()
 
@@ -150,12 +168,14 @@ class Pool:
         return max(self.used) + 1 if self.used else 0
 
     def nbytes_per_slot(self) -> int:
-        return sum(g.nbytes_per_slot() for g in self.groups.values())
+        """A slot's bytes: its LoRA tensors, and its full copies (modules_to_save) when the pool holds any."""
+        groups = [*self.groups.values(), *self.vocab_groups.values()]
+        return sum(g.nbytes_per_slot() for g in groups) + self.copy_bytes
 
     def install(self, lw: LoraWeights) -> int:
         if not self.free:
             new_cap = min(self.max_slots, self.cap * 2)
-            for g in self.groups.values():
+            for g in [*self.groups.values(), *self.vocab_groups.values()]:
                 g.grow(new_cap)
             self.free = list(range(new_cap - 1, self.cap - 1, -1))
             self.cap = new_cap
@@ -163,6 +183,10 @@ class Pool:
         if lw.is_dora != self.signature.dora or (lw.is_dora and lw.dora_scale is None):
             raise ValueError(
                 f"adapter {lw.name!r} does not fit this pool (DoRA factors missing or unexpected)"
+            )
+        if lw.base_layers:
+            raise ValueError(
+                f"adapter {lw.name!r} still holds saved base weights: prepare it (app/replica/lora/vocab.py) first"
             )
         slot = self.free.pop()
         for (layer, _), gw in self.groups.items():
@@ -175,17 +199,28 @@ class Pool:
                     f = lw.dora_scale[(layer, p.module)]
                     p.B[slot].copy_((b * (lw.scale * f)[:, None]).t())
                     p.base_scale[slot].copy_(f)
+        for m, gw in self.vocab_groups.items():
+            (p,), (a, b) = gw.parts, lw.vocab_tensors[m]
+            gw.A[slot].copy_(a.t())
+            p.B[slot].copy_((b * lw.scale).t())
+        for m, held in self.copies.items():
+            held[slot] = lw.vocab_copies[m].to(device=self.device, dtype=self.dtype, copy=True)
         self.used.add(slot)
         return slot
 
     def remove(self, slot: int) -> None:
+        for held in self.copies.values():
+            held.pop(slot, None)
         self.used.discard(slot)
         self.free.append(slot)
 
 
 def signature(lw: LoraWeights) -> Signature:
     return Signature(
-        tuple(sorted((layer, m, a.shape[0]) for (layer, m), (a, _) in lw.tensors.items())), lw.is_dora
+        tuple(sorted((layer, m, a.shape[0]) for (layer, m), (a, _) in lw.tensors.items())),
+        lw.is_dora,
+        tuple(sorted((m, a.shape[0]) for m, (a, _) in lw.vocab_tensors.items())),
+        tuple(sorted(lw.vocab_copies)),
     )
 
 
@@ -222,3 +257,45 @@ class LoraBatch:
                 K.expand_sliced(ys, z, Bs, seg, base_scales=fs, base_biases=bs)
             else:
                 K.expand_sliced(ys, z, Bs, seg)
+
+    def embed(self, ids: torch.Tensor, h: torch.Tensor) -> None:
+        """h [T, hidden], the base embedding of ids [T]: rows of adapters with a copy of embed_tokens become that
+        copy's rows, then LoRA on embed_tokens adds scale * B @ A[:, id] per token (one gather and one expand per
+        pool, whatever the number of adapters)."""
+        for pool, s, e, seg in self.plans:
+            held = pool.copies.get("embed_tokens")
+            if held:
+                for slot, w in held.items():
+                    rows = (seg.token_slot == slot).nonzero().squeeze(1) + s
+                    if rows.numel():
+                        h[rows] = F.embedding(ids[rows], w)
+            gw = pool.vocab_groups.get("embed_tokens")
+            if gw is not None:
+                hw = seg.num_slots
+                z = K.shrink_embedding(ids[s:e], gw.A[:hw], seg)
+                K.expand(h[s:e], z, gw.parts[0].B[:hw], seg)
+
+    def head(self, rows: torch.Tensor, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """logits [n, vocab] = lm_head(x) for x [n, hidden], row i being flat token rows[i] of the step (the
+        model's logits_idx: sampled positions first, then prompt positions, so not sorted by adapter). Rows of
+        adapters with a copy of lm_head are recomputed with it; LoRA on lm_head adds its delta to its rows."""
+        for pool, s, e, seg in self.plans:
+            gw, held = pool.vocab_groups.get("lm_head"), pool.copies.get("lm_head")
+            if gw is None and not held:
+                continue
+            sel = ((rows >= s) & (rows < e)).nonzero().squeeze(1)
+            if not sel.numel():
+                continue
+            slots, order = seg.token_slot[rows[sel] - s].sort(stable=True)  # the kernels want slots ascending
+            sel = sel[order]
+            for slot, w in (held or {}).items():
+                mine = sel[slots == slot]
+                if mine.numel():
+                    logits[mine] = F.linear(x[mine], w)
+            if gw is not None:
+                hw = seg.num_slots
+                sub = K.build_segments(slots, hw)
+                xs = x.index_select(0, sel)
+                d = torch.zeros(sel.numel(), logits.shape[1], dtype=logits.dtype, device=logits.device)
+                K.expand(d, K.shrink(xs, gw.A[:hw], sub), gw.parts[0].B[:hw], sub)
+                logits.index_add_(0, sel, d)

@@ -7,15 +7,24 @@ B (pad_ranks), which leaves the delta unchanged. (layer, module) pairs absent fr
 DoRA (PEFT use_dora): `magnitude` holds the trained vector m [out] of every (layer, module). The forward needs
 m / ||W + scale*B@A|| per output, which depends on the base weights W: app/replica/lora/dora.py computes it
 once per adapter (`dora_scale`) before the adapter is installed.
+
+The vocabulary-sized modules (VOCAB_MODULES: embed_tokens, lm_head) live beside `tensors`, not in it (they have
+no layer): `vocab_tensors` holds LoRA on them as PEFT saves it (embed_tokens: lora_embedding_A [r, vocab],
+lora_embedding_B [hidden, r]; lm_head: lora_A [r, hidden], lora_B [vocab, r]), at the adapter's `scale`;
+`vocab_copies` holds full per-adapter weights [vocab, hidden] that replace the base's for this adapter's tokens
+(PEFT modules_to_save); `base_layers` holds the base weights PEFT's save_embedding_layers wrote beside a LoRA on
+them, until app/replica/lora/vocab.py compares them with the served base (equal: dropped; different: a copy).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so `adapters validate/push` start fast
     import torch
+
+VOCAB_MODULES = ("embed_tokens", "lm_head")
 
 
 @dataclass
@@ -39,6 +48,17 @@ class LoraWeights:
     # scale is folded into its A, so the per-module A and B are not PEFT's (merges that mix A's and B's
     # entrywise refuse such adapters)
     patterned: bool = False
+    # module ("embed_tokens" | "lm_head") -> (A, B) in PEFT's layout (see the module docstring)
+    vocab_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # module -> full weight [vocab, hidden] replacing the base's (modules_to_save)
+    vocab_copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    # module -> the base weight [vocab, hidden] saved beside a LoRA on it (save_embedding_layers), unresolved
+    base_layers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def touches_vocab(self) -> bool:
+        """LoRA on embed_tokens/lm_head, or a full copy of one of them."""
+        return bool(self.vocab_tensors or self.vocab_copies or self.base_layers)
 
     @property
     def is_dora(self) -> bool:
@@ -48,6 +68,13 @@ class LoraWeights:
         """Bytes of the adapter's tensors on a device: A and B, and one vector per module for DoRA."""
         own = sum(
             a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values()
+        )
+        own += sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size()
+            for a, b in self.vocab_tensors.values()
+        )
+        own += sum(
+            t.numel() * t.element_size() for t in (*self.vocab_copies.values(), *self.base_layers.values())
         )
         return own + sum(m.numel() * m.element_size() for m in (self.magnitude or {}).values())
 
