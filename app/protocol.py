@@ -150,3 +150,24 @@ class ChoiceDelta:
 
 
 ReplyItem = ReplicaHello | ChoiceDelta | Failure
+
+
+@dataclass(frozen=True)
+class TokenizeCall:
+    """vLLM's /tokenize or /detokenize for the replica's tokenizer (adapters share the base's): exactly one of
+    `text` (a completion's prompt), `messages` (a chat, rendered as generation would) or `tokens` (detokenize)."""
+
+    text: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    tokens: tuple[int, ...] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class TokenizeReply:
+    """The answer to a TokenizeCall: `tokens` (tokenize) or `text` (detokenize), and the replica's limit."""
+
+    tokens: tuple[int, ...] = ()
+    text: str = ""
+    max_model_len: int = 0

@@ -21,18 +21,30 @@ from app.catalog.telemetry import start_process_metrics
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
 from app.errors import AdapterUnavailable, InvalidAdapter, LoraLandError
-from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, ReplyItem
+from app.protocol import (
+    ChoiceDelta,
+    Failure,
+    ReplicaHello,
+    ReplicaRequest,
+    ReplyItem,
+    TokenizeCall,
+    TokenizeReply,
+)
 from app.replica import metrics as replica_metrics
 
 log = logging.getLogger("loraland.replica")
 
 
-def render_chat(messages: list[dict[str, str]], tokenizer: Any = None) -> str:
+def render_chat(
+    messages: list[dict[str, str]], tokenizer: Any = None, *, add_generation_prompt: bool = True
+) -> str:
     """The prompt for a chat: the tokenizer's chat template when it has one, else a plain transcript."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
+    return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
 
 class ReplicaCore:
@@ -294,6 +306,42 @@ class ReplicaCore:
         )
         summary = await asyncio.to_thread(adapter_summary, path)
         return {**summary, "base_model": self.kernel.model_config.identity()}
+
+    # ------------------------------------------------------------------ tokenizer
+    async def tokenize(self, call: TokenizeCall) -> TokenizeReply | Failure:
+        """vLLM's /tokenize and /detokenize with this replica's tokenizer (on a thread: a prompt may be long);
+        errors travel in-band as a Failure, like generate's."""
+        try:
+            return await asyncio.to_thread(self._tokenize, call)
+        except Exception as e:
+            if not isinstance(e, LoraLandError):
+                log.exception("tokenize failed on replica %s", self.replica_id)
+            return Failure.of(e)
+
+    def _tokenize(self, call: TokenizeCall) -> TokenizeReply:
+        from app.errors import InvalidRequest
+
+        tok, limit = self.kernel.tokenizer, self.kernel.max_model_len
+        if call.tokens is not None:
+            vocab = len(tok)
+            bad = next((t for t in call.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                err = InvalidRequest(f"tokens: {bad} is not a token id of this model (0 <= id < {vocab})")
+                err.param = "tokens"
+                raise err
+            return TokenizeReply(text=tok.decode(list(call.tokens)), max_model_len=limit)
+        if call.messages is not None:
+            text = render_chat(list(call.messages), tok, add_generation_prompt=call.add_generation_prompt)
+        else:
+            text = call.text or ""
+        if len(text) > self.kernel.max_prompt_chars:
+            err = InvalidRequest(
+                f"prompt: {len(text)} characters, more than max_model_len ({limit} tokens) can hold"
+            )
+            err.param = "prompt"
+            raise err
+        ids = tok.encode(text, add_special_tokens=call.add_special_tokens)
+        return TokenizeReply(tokens=tuple(ids), max_model_len=limit)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:

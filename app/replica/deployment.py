@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.config.app_config import AppConfig
-from app.protocol import Failure, ReplicaRequest, ReplyItem
+from app.protocol import Failure, ReplicaRequest, ReplyItem, TokenizeCall, TokenizeReply
 from app.replica.core import ReplicaCore
 
 __all__ = ["LocalBackend", "ReplicaCore", "make_replica_deployment"]
@@ -29,10 +29,12 @@ class LocalBackend:
     def stream(self, request: ReplicaRequest, model_id: str) -> AsyncIterator[ReplyItem]:
         return self.core.generate(request)
 
-    async def call(self, method: str, *args: Any) -> dict | Failure:
-        if method != "inspect_adapter":
-            raise ValueError(f"unknown replica method {method!r}")
-        return await self.core.inspect(*args)
+    async def call(self, method: str, *args: Any) -> dict | TokenizeReply | Failure:
+        if method == "inspect_adapter":
+            return await self.core.inspect(*args)
+        if method == "tokenize":
+            return await self.core.tokenize(*args)
+        raise ValueError(f"unknown replica method {method!r}")
 
 
 def _log_info_to_stderr() -> None:
@@ -100,6 +102,9 @@ def make_replica_deployment(cfg: AppConfig):
 
         async def inspect_adapter(self, uri: str) -> dict | Failure:
             return await self.core.inspect(uri)
+
+        async def tokenize(self, call: TokenizeCall) -> TokenizeReply | Failure:
+            return await self.core.tokenize(call)
 
         def record_routing_stats(self) -> dict[str, Any]:
             return self.core.routing_stats()

@@ -4,7 +4,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions (stream: true = server-s
 admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/placement, GET/PUT
 /v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/quotas.py); GET /metrics (the cluster's
 Prometheus metrics: app/router/metrics.py) and GET /status (the status page: app/router/status_page.py);
-GET /healthz.
+GET /healthz; vLLM's POST /tokenize and /detokenize (app/router/tokenize_routes.py).
 Every error is OpenAI-shaped, with its status chosen in app/router/http_errors.py.
 """
 
@@ -32,6 +32,7 @@ from app.router.quotas import QuotaLimiter, add_quota_routes
 from app.router.replica_client import ReplicaStream, ServeBackend
 from app.router.service import CatalogProxy, IngressService
 from app.router.status_page import add_status_routes
+from app.router.tokenize_routes import add_tokenize_routes
 
 log = logging.getLogger("loraland.ingress")
 
@@ -68,6 +69,7 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     add_quota_routes(api, auth, service.catalog)  # first: /v1/adapters/{name:path} would take its paths
     add_metrics_route(api, auth, service.catalog)
     add_status_routes(api, auth, service)
+    add_tokenize_routes(api, auth, service)
 
     async def generate(request: Request, chat: bool) -> Response:
         obs = RequestObserver()  # outcome, tokens, TTFT/TPOT of every request, refused ones too

@@ -156,15 +156,20 @@ def _has_lone_surrogate(data: object) -> bool:
 
 
 def validate(cls: type[BaseModel], data: dict) -> Any:
-    """Validate with pydantic; the first problem becomes a 400 naming the field."""
+    """Validate a completion or chat with pydantic; the first problem becomes a 400 naming the field."""
+    req = validate_model(cls, data)
+    _check_unsupported(req)
+    return req
+
+
+def validate_model(cls: type[BaseModel], data: dict) -> Any:
+    """`data` as a `cls`, or a 400 naming the first field pydantic found at fault."""
     try:
-        req = cls.model_validate(data)
+        return cls.model_validate(data)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
         param = _field(tuple(first.get("loc", ())))
         raise invalid(param, _UNION_HINTS.get(param, first.get("msg", "invalid value"))) from None
-    _check_unsupported(req)
-    return req
 
 
 def _check_unsupported(req: _Sampling) -> None:
