@@ -35,13 +35,16 @@ def build_cluster_app(cfg: AppConfig):
     return ingress.bind(replicas.bind(args), args)
 
 
+_saved_env: list[dict[str, str | None]] = []  # what serve_on replaced in os.environ, for shutdown to restore
+
+
 def serve_on(cluster: LocalCluster, cfg: AppConfig, port: int) -> str:
     """Connect this process to the cluster as a driver, start Serve's proxy on the head at 127.0.0.1:port and
     deploy the app; returns the base URL. Undo with `shutdown()`."""
     import ray
     from ray import serve
 
-    cluster.use_in_this_process()
+    _saved_env.append(cluster.use_in_this_process())
     ray.init(address=cluster.address, log_to_driver=False, namespace="loraland-tests")
     start_serve(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_cluster_app(cfg), name=APP_NAME, route_prefix="/")
@@ -49,13 +52,19 @@ def serve_on(cluster: LocalCluster, cfg: AppConfig, port: int) -> str:
 
 
 def shutdown() -> None:
+    """Remove Serve, disconnect, and give this process back the environment serve_on found (else RAY_ADDRESS
+    and the cluster's token stay in os.environ, and every later ray.init in the process, and every subprocess,
+    tries to join a cluster that is gone)."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        if ray.is_initialized():  # else serve.shutdown() would wait for a cluster that is not there
+            serve.shutdown()
     finally:
         ray.shutdown()
+        while _saved_env:
+            LocalCluster.restore_env(_saved_env.pop())
 
 
 def _replica_states() -> dict[str, int]:

@@ -141,6 +141,7 @@ class LocalStack:
         self.base = f"http://127.0.0.1:{self.port}"
         self._refs: dict[tuple, str] = {}
         self._started = False
+        self._saved_env: dict[str, str | None] = {}  # what start() replaced in os.environ
 
     # ------------------------------------------------------------------ bring-up
     def start(self) -> LocalStack:
@@ -162,8 +163,10 @@ class LocalStack:
         self.s3.start()
         make_bucket(self.s3.url, BUCKET)
         env = {**aws_env(self.s3.url), "LORALAND_REDIS_URL": self.redis.url}
-        os.environ.update(env)  # this process is the CLI that pushes, and hands the env to Ray's workers
-        os.environ["LORALAND_CACHE_DIR"] = str(self.workdir / "cli-cache")
+        # This process is the CLI that pushes, and hands the env to Ray's workers; close() puts it back.
+        env_here = {**env, "LORALAND_CACHE_DIR": str(self.workdir / "cli-cache")}
+        self._saved_env = {k: os.environ.get(k) for k in env_here}
+        os.environ.update(env_here)
         self.api_key = _cli("tenants", "create", TENANT, "--json")["api_key"]
         self.folders = {}
         for i, name in enumerate(self.warm + self.cold):
@@ -230,6 +233,12 @@ class LocalStack:
         self.s3.stop()
         self.redis.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        for k, v in self._saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._saved_env = {}
 
     def __enter__(self) -> LocalStack:
         try:
