@@ -193,6 +193,10 @@ class AdapterManager:
                 return False
         e.refs += 1
         e.last_used = time.monotonic()
+        if e.key in self.host_lru:  # a use makes its host copy the most recently used (LRU, not load order)
+            with self._lock:
+                if e.key in self.host_lru:
+                    self.host_lru.move_to_end(e.key)
         return True
 
     def release(self, seq: Sequence) -> None:
