@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from app.errors import InvalidRequest, QueueFull
 from app.protocol import Failure
 from app.replica.batch_builder import BatchBuilder, PromptRows
 from app.replica.fairness import AdmissionPolicy
+from app.replica.grammar import GrammarState
 from app.replica.kv_cache import BlockAllocator, KVCache
 from app.replica.logprobs import SampleLogprobs, prompt_logprobs
 from app.replica.lora.null import AdapterHooks, NullAdapters
@@ -109,9 +111,13 @@ class Engine:
         *,
         adapter: str | None = None,
         tenant: str | None = None,
+        grammar: Any = None,
     ) -> Sequence:
         """Queue a request; `adapter` is the adapter manager's key (None = base model), `tenant` whose request it
-        is for fair admission (None = the anonymous tenant)."""
+        is for fair admission (None = the anonymous tenant), `grammar` the compiled response_format grammar
+        (compiled by the caller, off the step loop: app/replica/grammar.py)."""
+        if (grammar is None) != (params.response_format is None):
+            raise ValueError("a response_format needs its compiled grammar, and only it")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty: give at least one token")
         n = len(prompt_ids)
@@ -145,6 +151,8 @@ class Engine:
             tenant=tenant,
         )
         seq.output = self.outputs.state(params, on_delta)
+        if grammar is not None:
+            seq.sampler.grammar = GrammarState.of(grammar)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [SampleLogprobs(seq.prompt_ids[0], None)]
         with self._lock:
@@ -327,6 +335,7 @@ class Engine:
         *,
         adapter: str | None = None,
         tenant: str | None = None,
+        grammar: Any = None,
     ) -> AsyncIterator[Delta]:
         """The request's deltas, the last one with a finish_reason; closing the iterator early aborts it."""
         loop = asyncio.get_running_loop()
@@ -338,7 +347,7 @@ class Engine:
             except RuntimeError:  # the consumer's loop is gone
                 pass
 
-        seq = self.add(prompt_ids, params, push, adapter=adapter, tenant=tenant)
+        seq = self.add(prompt_ids, params, push, adapter=adapter, tenant=tenant, grammar=grammar)
         done = False
         try:
             while not done:

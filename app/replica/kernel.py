@@ -23,6 +23,7 @@ from app.replica.adapter_reader import AdapterReader
 from app.replica.composition import Composition
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.fairness import make_policy
+from app.replica.grammar import Grammars
 from app.replica.logprobs import SampleLogprobs
 from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
@@ -115,6 +116,7 @@ class LLMKernel:
             policy=self.fairness,
         )
         self.engine.start()
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.engine.eos_ids)
         log.info(
             "LLMKernel %s ready: %s on %s, %d KV blocks of %d tokens",
             self.model_id,
@@ -199,6 +201,13 @@ class LLMKernel:
             return list(prompt)
         raise InvalidRequest("each prompt must be a string or a list of token ids")
 
+    @staticmethod
+    def _stage_params(params: SamplingParams, grammar: Any, last: bool) -> tuple[SamplingParams, Any]:
+        """A chain's response_format shapes its last stage's output alone (earlier stages feed prompts)."""
+        if last or params.response_format is None:
+            return params, grammar
+        return dataclasses.replace(params, response_format=None), None
+
     async def generate(
         self, prompt: Prompt, adapter_id: str | None = None, *, tenant: str | None = None, **sampling
     ) -> AsyncIterator[Delta]:
@@ -220,11 +229,15 @@ class LLMKernel:
         stages = self.composition.lookup(adapter_id)
         if stages is None:  # a new merge: building it reads (maybe fetches) and concatenates its terms
             stages = await asyncio.to_thread(self.composition.stages, adapter_id)
+        grammar = None
+        if params.response_format is not None:  # compiled (or found in the cache) off the step loop
+            grammar = await asyncio.to_thread(self.grammars.compile, params.response_format)
         n_prompt = len(ids)
         for i, key in enumerate(stages):
             last = i == len(stages) - 1
             text = ""
-            async for d in self.engine.stream(ids, params if i == 0 else later, adapter=key, tenant=tenant):
+            stage, g = self._stage_params(params if i == 0 else later, grammar, last)
+            async for d in self.engine.stream(ids, stage, adapter=key, tenant=tenant, grammar=g):
                 if d.failure is not None:
                     raise d.failure.to_exception()
                 if i == 0 and not last and d.prompt_logprobs is not None:
@@ -260,6 +273,7 @@ class LLMKernel:
         )
         ids = [self._prompt_ids(p) for p in prompts]
         stages = [self.composition.stages(a) for a in adapter_ids]
+        grammar = None if params.response_format is None else self.grammars.compile(params.response_format)
         n_prompt = [len(x) for x in ids]
         results: list[Completion | None] = [None] * len(prompts)
         first_prompt_logprobs: list[list[SampleLogprobs] | None] = [None] * len(prompts)
@@ -268,9 +282,12 @@ class LLMKernel:
             todo = [i for i in range(len(prompts)) if depth < len(stages[i])]
             if not todo:
                 break
-            outs = self._run(
-                [(ids[i], stages[i][depth]) for i in todo], params if depth == 0 else later, tenant
-            )
+            base = params if depth == 0 else later
+            jobs = [
+                (ids[i], stages[i][depth], *self._stage_params(base, grammar, depth == len(stages[i]) - 1))
+                for i in todo
+            ]
+            outs = self._run(jobs, tenant)
             for i, c in zip(todo, outs):
                 if depth == 0:
                     first_prompt_logprobs[i] = c.prompt_logprobs
@@ -291,9 +308,10 @@ class LLMKernel:
         return nxt[-(self.max_model_len - params.max_tokens) :] if len(nxt) >= self.max_model_len else nxt
 
     def _run(
-        self, jobs: list[tuple[list[int], str | None]], params: SamplingParams, tenant: str | None = None
+        self, jobs: list[tuple[list[int], str | None, SamplingParams, Any]], tenant: str | None = None
     ) -> list[Completion]:
-        """Run prompts (each under its adapter key) in the shared batch; block until all have finished."""
+        """Run prompts (each under its adapter key, with its params and compiled grammar or None) in the shared
+        batch; block until all have finished."""
         done = threading.Semaphore(0)
         results = [Completion("", [], "", 0) for _ in jobs]
         failures: list[Failure | None] = [None] * len(jobs)
@@ -315,8 +333,8 @@ class LLMKernel:
 
             return on_delta
 
-        for i, (ids, key) in enumerate(jobs):
-            self.engine.add(ids, params, collector(i), adapter=key, tenant=tenant)
+        for i, (ids, key, params, grammar) in enumerate(jobs):
+            self.engine.add(ids, params, collector(i), adapter=key, tenant=tenant, grammar=grammar)
         for _ in jobs:
             done.acquire()
         for f in failures:

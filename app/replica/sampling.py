@@ -2,7 +2,8 @@
 logits processors (logit_bias, min_tokens, repetition/frequency/presence penalties: app/replica/logits_processors.py)
 and log probabilities.
 
-Order per row, as vLLM's: logit_bias and min_tokens, then the penalties, then greedy argmax, or temperature ->
+Order per row, as vLLM's: logit_bias and min_tokens, then the penalties, then the response_format grammar mask
+(app/replica/grammar.py: tokens the row's JSON grammar forbids next get -inf), then greedy argmax, or temperature ->
 min-p -> top-k -> top-p -> draw. Log probabilities are vLLM's default ("raw_logprobs"): log_softmax of the model's
 own logits, before any of the above, so they do not change with penalties, bias or temperature (the sampled
 token's logprob is its raw logprob even when a processor made it likely). Rows that use none of the processors
@@ -26,6 +27,7 @@ import torch
 
 from app.errors import InvalidRequest
 from app.protocol import MAX_LOGPROBS
+from app.replica.grammar import GrammarState, mask_rows
 from app.replica.logits_processors import apply_processors
 from app.replica.logprobs import SampleLogprobs, sample_logprobs
 
@@ -87,6 +89,8 @@ class SamplingParams:
     min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one (after temperature)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) and stop strings are ignored until this many
+    # None, "json_object", or a JSON schema as canonical JSON text (app/replica/grammar.py's format_key)
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -142,6 +146,12 @@ class SamplingParams:
                 "min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {_show(n)}"
             )
 
+        rf = self.response_format
+        if rf is not None and not isinstance(rf, str):
+            raise _invalid("response_format", "must be grammar.format_key's text")
+        if rf is not None and self.ignore_eos:
+            raise _invalid("response_format", "cannot be combined with ignore_eos (the JSON must end)")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
@@ -154,7 +164,9 @@ class SamplingParams:
     @cached_property
     def processed(self) -> bool:
         """Its logits go through a processor (penalties, logit_bias, min_tokens) before sampling."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return (
+            self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.response_format is not None
+        )
 
     @classmethod
     def from_kwargs(cls, **kw) -> SamplingParams:
@@ -189,6 +201,7 @@ class SamplerState:
     counts: torch.Tensor | None = None  # [V] float32: how often each token appears in the output so far
     seen: torch.Tensor | None = None  # [V] bool: the token appears in the prompt or the output
     counted: int = 0  # output tokens already in `counts`
+    grammar: GrammarState | None = None  # response_format's matcher (set at admission; grammar.py)
 
 
 class NonFiniteLogits(Exception):
@@ -303,16 +316,41 @@ def _processed(
                 apply_processors(sub[j : j + 1], [params[i]], [states[i]], [histories[i]], stop_ids)
             except Exception as e:
                 bad[i] = e
+    if gram := [j for j, i in enumerate(proc) if states[i].grammar is not None and i not in bad]:
+        _mask(sub, gram, proc, states, histories, bad)
     # -inf is expected (min_tokens masks); a row whose best logit is not finite has nothing to sample.
     best, at = sub.max(dim=-1)
     top, broken = torch.stack((at, (~torch.isfinite(best)).long())).tolist()
     for j, i in enumerate(proc):
         if broken[j] and i not in bad:
             bad[i] = InvalidRequest(
-                "the sampling options (penalties, logit_bias, min_tokens) left no token with a finite logit: "
+                "the sampling options (penalties, logit_bias, min_tokens, response_format) left no token with a finite logit: "
                 "relax them"
             )
     return sub, top, bad
+
+
+def _mask(
+    sub: torch.Tensor,
+    gram: list[int],
+    proc: list[int],
+    states: list[SamplerState],
+    histories: Seq[tuple[list[int], list[int]]],
+    bad: dict[int, Exception],
+) -> None:
+    """response_format: rows `gram` of `sub` keep only what their grammar allows (each row alone on failure)."""
+
+    def apply(js: list[int]) -> None:
+        mask_rows(sub, js, [states[proc[j]].grammar for j in js], [histories[proc[j]][1] for j in js])
+
+    try:
+        apply(gram)
+    except Exception:
+        for j in gram:
+            try:
+                apply([j])
+            except Exception as e:
+                bad[proc[j]] = e
 
 
 def _probs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:

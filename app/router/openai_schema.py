@@ -21,6 +21,7 @@ MAX_STOP = 16
 MAX_MODEL_CHARS = 4096
 ECHO_CHARS = 100  # how much of a caller's string an error message repeats
 MAX_BIAS = 100  # logit_bias values lie in [-100, 100], as OpenAI's
+MAX_SCHEMA_CHARS = 64 * 1024  # response_format's JSON schema, as canonical JSON text
 
 
 class _Sampling(BaseModel):
@@ -45,6 +46,7 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's extra
     min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's extra
     logit_bias: Any = None  # {"token id": bias in [-100, 100]}; checked in _check_logit_bias
+    response_format: Any = None  # {"type": "text" | "json_object" | "json_schema", ...}: format_key
 
 
 class CompletionRequest(_Sampling):
@@ -178,6 +180,8 @@ def _check_unsupported(req: _Sampling) -> None:
         raise invalid("stop", f"give at most {MAX_STOP} non-empty stop strings")
     _check_logprobs(req)
     _check_logit_bias(req.logit_bias)
+    if format_key(req.response_format) is not None and req.ignore_eos:
+        raise invalid("response_format", "cannot be combined with ignore_eos (the JSON must end)")
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
         raise invalid("min_tokens", f"must be at most max_tokens ({max_tokens}), got {req.min_tokens}")
@@ -242,6 +246,8 @@ def sampling_of(req: _Sampling) -> dict[str, Any]:
         value = getattr(req, key)
         if value is not None:
             out[key] = value
+    if (key := format_key(req.response_format)) is not None:
+        out["response_format"] = key
     if req.logit_bias:
         out["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
     if isinstance(req, CompletionRequest):
@@ -252,6 +258,38 @@ def sampling_of(req: _Sampling) -> dict[str, Any]:
     elif req.logprobs:
         out["logprobs"] = req.top_logprobs or 0
     return out
+
+
+def format_key(response_format: Any) -> str | None:
+    """The sampler's key for an OpenAI `response_format` ({"type": "text" | "json_object" | "json_schema"}),
+    or a 400 naming the problem (the schema itself is compiled later, by `Grammars.compile`)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise invalid(
+            "response_format", 'must be an object with a "type": "text", "json_object" or "json_schema"'
+        )
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object"
+    if kind != "json_schema":
+        raise invalid(
+            "response_format", f'unknown type {kind[:40]!r}; use "text", "json_object" or "json_schema"'
+        )
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise invalid(
+            "response_format", 'json_schema must be an object {"name", "schema", "strict"} with a string name'
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise invalid("response_format", "json_schema.schema must be a JSON schema (an object)")
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise invalid("response_format", f"the schema is {len(text)} characters; at most {MAX_SCHEMA_CHARS}")
+    return text
 
 
 def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
