@@ -104,6 +104,21 @@ def test_complete_and_chains_shape_the_last_stage(kernel):
     assert sum(check(c.text, c.finish_reason, SCHEMA) for c in outs) >= 2, [c.text[:80] for c in outs]
 
 
+def test_preemption_keeps_grammar_rows_exact(kernel, llama_dir):
+    """A recompute after preemption keeps the output, and the matcher (caught up from it) keeps its place."""
+    tok = kernel.tokenizer
+    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS[:3]]
+    many = [p + q for p in prompts for q in prompts]
+    kw = dict(max_tokens=40, response_format=format_key(JSON_SCHEMA))
+    want = kernel.complete(many, **kw)
+    with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=14, block_size=8, max_batch_size=16) as small:
+        got = small.complete(many, **kw)
+        assert small.engine.scheduler.num_preemptions > 0
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        check(a.text, a.finish_reason, SCHEMA)
+
+
 def test_grammar_is_compiled_once_and_cached(kernel):
     key = format_key(JSON_SCHEMA)
     assert kernel.grammars.compile(key) is kernel.grammars.compile(key)
@@ -194,6 +209,27 @@ def test_openai_sdk_json_mode_and_json_schema(http):
                             max_tokens=MAX_TOKENS,
                         )
                         out.append((r.choices[0].message.content, r.choices[0].finish_reason, schema))
+            # streaming, and the completions route (vLLM accepts response_format there too)
+            chunks = await client.chat.completions.create(
+                model="pub",
+                messages=[{"role": "user", "content": PROMPTS[0]}],
+                response_format=JSON_SCHEMA,
+                max_tokens=MAX_TOKENS,
+                stream=True,
+            )
+            text, finish = "", None
+            async for c in chunks:
+                if c.choices:
+                    text += c.choices[0].delta.content or ""
+                    finish = c.choices[0].finish_reason or finish
+            out.append((text, finish, SCHEMA))
+            r = await client.completions.create(
+                model="pub",
+                prompt=PROMPTS[1],
+                max_tokens=MAX_TOKENS,
+                extra_body={"response_format": JSON_SCHEMA},
+            )
+            out.append((r.choices[0].text, r.choices[0].finish_reason, SCHEMA))
             return out
 
     results = asyncio.run(go())
