@@ -34,3 +34,30 @@ def test_forget_replica_and_sweep():
 def test_ttl_must_be_positive():
     with pytest.raises(ValueError):
         AssignmentMemory(0)
+
+
+def test_entries_and_forget():
+    m = AssignmentMemory(ttl_s=30.0)
+    m.record("a@1", "r1", 100.0)
+    m.record("a@1", "r2", 101.0)
+    assert m.entries("a@1", 105.0) == [("r1", 100.0), ("r2", 101.0)]
+    m.forget("a@1", "r1")
+    assert m.where("a@1", 105.0) == ["r2"]
+    m.forget("a@1", "r2")
+    assert m.where("a@1", 105.0) == [] and len(m) == 0
+
+
+def test_stats_newer_than_an_assignment_override_it():
+    """The router's memory says 'sent to r1 at t'; r1's stats taken well after t without the adapter (neither held
+    nor loading) mean it was evicted since: the memory must not keep routing there (a reload each time)."""
+    from app.router.request_router import STATS_LAG_S, _dropped_since
+
+    t = 1000.0
+    assert not _dropped_since(
+        {"at": t + 0.5, "resident": []}, "a@1", t
+    )  # too soon: the load may not have begun
+    assert not _dropped_since({"resident": []}, "a@1", t)  # stats without a time: trust the memory
+    late = t + STATS_LAG_S + 0.1
+    assert _dropped_since({"at": late, "resident": ["b@1"], "loading": []}, "a@1", t)
+    assert not _dropped_since({"at": late, "resident": ["a@1"]}, "a@1", t)
+    assert not _dropped_since({"at": late, "resident": [], "loading": ["a@1"]}, "a@1", t)

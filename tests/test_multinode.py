@@ -220,6 +220,12 @@ def test_worker_killed_mid_load_loses_no_request(env):
     wait_for(
         lambda: running_replicas() == 2 and len(env.catalog.replicas()) == 2, 180, "a replacement replica"
     )
+    # Its warm-up result rides on a heartbeat after it is RUNNING: wait for that heartbeat, not the first one.
+    wait_for(
+        lambda: all("warmed" in i.extra for rid, i in env.catalog.replicas().items() if rid not in before),
+        30,
+        "the replacement's warm-up in its heartbeat",
+    )
     print(f"replacement running {time.monotonic() - kill_at:.1f}s after the kill")
     after = env.catalog.replicas()
     (new_id,) = set(after) - set(before)

@@ -213,6 +213,7 @@ class ReplicaCore:
             "running": int(s.get("running", 0)),
             "kv_usage": float(s.get("kv_usage", 0.0)),
             "loading": sorted(self._loading),
+            "at": time.time(),  # wall clock: the router compares it with when it sent an adapter here
             **self.extra,
         }
 

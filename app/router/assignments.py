@@ -30,6 +30,10 @@ class AssignmentMemory:
 
     def where(self, adapter: str, now: float) -> list:
         """Replicas `adapter` was sent to within ttl_s before `now`, oldest first (empty: not warm)."""
+        return [replica for replica, _ in self.entries(adapter, now)]
+
+    def entries(self, adapter: str, now: float) -> list[tuple[Hashable, float]]:
+        """(replica, when it was last sent there) within ttl_s before `now`, oldest first."""
         w = self._where.get(adapter)
         if not w:
             return []
@@ -39,7 +43,15 @@ class AssignmentMemory:
         if not w:
             del self._where[adapter]
             return []
-        return list(w)
+        return list(w.items())
+
+    def forget(self, adapter: str, replica: Hashable) -> None:
+        """`replica` no longer holds `adapter` (its stats, newer than the assignment, say so)."""
+        w = self._where.get(adapter)
+        if w is not None:
+            w.pop(replica, None)
+            if not w:
+                del self._where[adapter]
 
     def forget_replica(self, replica: Hashable) -> None:
         """`replica` is gone: nothing is remembered as sent there."""
