@@ -26,6 +26,7 @@ from app.cli.serve import start_serve
 from app.config.app_config import AppConfig
 from app.replica.core import render_chat
 from app.replica.lora.peft_format import adapter_summary
+from app.router.request_router import STATS_LAG_S
 from tests.fixtures.models import CORPUS
 from tests.fixtures.services import aws_env, make_bucket, s3_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter
@@ -263,7 +264,10 @@ def test_200_concurrent_requests_over_20_adapters_match_the_kernel(cluster):
 
 
 def test_warm_adapters_land_on_replicas_that_hold_them(cluster):
-    time.sleep(1.5)
+    # The routers remember where they sent each adapter (30 s); a replica's stats taken STATS_LAG_S after such
+    # a send overrule it. Wait that long after the previous test's burst, plus a stats period, so what the
+    # placement below says is also what the routers believe.
+    time.sleep(STATS_LAG_S + 1.5)
     placement = cluster.admin("GET", "/v1/placement").json()["placement"]
     held = {ref.split("@")[0]: rids for ref, rids in placement.items() if ref.startswith("ad")}
     assert held, placement
