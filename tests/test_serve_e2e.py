@@ -25,12 +25,13 @@ from app.catalog.store import Catalog
 from app.cli.serve import start_serve
 from app.config.app_config import AppConfig
 from app.replica.core import render_chat
+from app.replica.faults import FAULT_PROMPT_ENV
 from app.replica.lora.peft_format import adapter_summary
 from app.router.request_router import STATS_LAG_S
 from tests.fixtures.models import CORPUS
 from tests.fixtures.services import aws_env, make_bucket, s3_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter
-from tests.test_isolation import scaled_adapter
+from tests.test_isolation import FAULT_PROMPT, scaled_adapter
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -146,6 +147,7 @@ def cluster(s3_server, llama_dir, tmp_path_factory):  # noqa: F811
         "OMP_NUM_THREADS": "1",  # 2 cores shared by 2 replicas, the ingress and the oracle
         "LORALAND_LOCAL_ROOTS": str(root),
         "TOKENIZERS_PARALLELISM": "false",
+        FAULT_PROMPT_ENV: FAULT_PROMPT,  # the replicas' test-only fault: this prompt's row fails in sampling
     }
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env}, log_to_driver=False)
     cfg = AppConfig(
@@ -321,7 +323,8 @@ def test_tenants_and_admin_routes(cluster):
 def test_poison_requests_fail_alone_on_two_replicas(cluster):
     """Issue 21 on 2 replicas: while tenant beta streams 200 tokens on each replica, alpha's poison requests,
     sent to both, each fail alone with their documented status, and every beta stream carries exactly its
-    fault-free text. (The in-process test, tests/test_isolation_http.py, adds an injected fault in one row.)"""
+    fault-free text. The injected fault is the replicas' test-only hook (app/replica/faults.py): the row of
+    FAULT_PROMPT raises inside the batched step's sampling."""
     prompt = "the quick brown fox"
     alone = cluster.expected_text(prompt, max_tokens=200, ignore_eos=True)
     b_body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -331,6 +334,7 @@ def test_poison_requests_fail_alone_on_two_replicas(cluster):
                        "seed": 2**70},
         "huge adapter": {"model": "huge", "prompt": "hello", "max_tokens": 8, "temperature": 1.0},
         "huge adapter, streamed": {"model": "huge", "prompt": "hello", "max_tokens": 8, "stream": True},
+        "injected fault": {"model": "tiny-llama", "prompt": FAULT_PROMPT, "max_tokens": 8},
     }  # fmt: skip
     alpha, beta = ({"Authorization": f"Bearer {cluster.keys[t]}"} for t in ("alpha", "beta"))
 
@@ -383,6 +387,11 @@ def test_poison_requests_fail_alone_on_two_replicas(cluster):
             assert body["choices"][0]["text"] == cluster.expected("hello", None, 8)
         elif name == "seed 2**70":
             assert (r.status_code, body["error"]["param"]) == (400, "seed"), body
+        elif name == "injected fault":  # a fault in one row of the batched step fails that request alone
+            assert (r.status_code, body["error"]["code"]) == (500, "internal_error"), body
+            assert body["error"]["message"] == (
+                "internal error while sampling this request (InjectedFault); see the server log"
+            )
         else:
             assert (r.status_code, body["error"]["code"]) == (400, "invalid_adapter"), body
             assert body["error"]["message"].startswith("adapter 'huge@1' produced non-finite logits"), body

@@ -16,6 +16,7 @@ from typing import Any
 from app.config.app_config import AppConfig
 from app.protocol import Failure, ReplicaRequest, ReplyItem, TokenizeCall, TokenizeReply
 from app.replica.core import ReplicaCore
+from app.replica.faults import fault_hook_from_env
 
 __all__ = ["LocalBackend", "ReplicaCore", "make_replica_deployment"]
 
@@ -92,6 +93,7 @@ def make_replica_deployment(cfg: AppConfig):
             self.core = ReplicaCore(
                 cfg, rid.unique_id, extra={"actor_name": rid.to_full_id_str(), "threads": cfg.threads, **node}
             )
+            self.core.kernel.engine.fault_hook = fault_hook_from_env(self.core.kernel.tokenizer)  # tests only
             self.core.start()
             # Serve routes to a replica only once its constructor returns: the hot adapters load first.
             await self.core.warm_up()

@@ -1,0 +1,36 @@
+"""Fault injection for tests of isolation on real replicas (off unless the environment asks for it).
+
+A Ray replica runs in its own worker process, where a test cannot set `Engine.fault_hook` itself. When the
+replica's environment holds LORALAND_TEST_FAULT_PROMPT, every sequence whose prompt tokenizes to exactly that
+text raises inside the engine step's sampling, for that row only: the one-row fault of issue 21. Production
+never sets it (no config field carries it, so it cannot be turned on through the admin API or a Serve config).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+FAULT_PROMPT_ENV = "LORALAND_TEST_FAULT_PROMPT"
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test fault hook for the row whose prompt matches."""
+
+
+def fault_hook_from_env(tokenizer) -> Callable | None:
+    """The engine's fault hook the environment asks for, or None (the normal case: costs nothing)."""
+    text = os.environ.get(FAULT_PROMPT_ENV)
+    if not text:
+        return None
+    target = tokenizer.encode(text, add_special_tokens=False)
+    log.warning("test fault injection is ON: prompts equal to %r fail inside sampling", text)
+
+    def hook(seq) -> None:
+        if seq.prompt_ids[-len(target) :] == target and len(seq.prompt_ids) <= len(target) + 1:
+            raise InjectedFault("injected")
+
+    return hook
