@@ -1,7 +1,8 @@
 """Our policy in the simulator: app/router/request_router.py's AdapterAffinityRouter around the real
 `placement.rank_replicas` and `placement.view_from_stats`, with what that router sees: replica stats up to
-`stats_period_s` old, its own in-flight counts, and its 30 s memory of where it just sent each adapter (which
-is also what makes an adapter warm: routed within that memory, so the bounded-load rule applies to it).
+`stats_period_s` old, its own in-flight counts, and its 30 s memory of where it just sent each adapter, less what
+newer stats show dropped since (`AssignmentMemory.confirmed`, the router's own call). That memory is also what
+makes an adapter warm: routed within it, so the bounded-load rule applies to it.
 
 rank_replicas over all 1,000 replicas (what the real router does per request) costs milliseconds, too slow
 for 10^6 decisions on one core, so each decision ranks only the replicas that can matter. rank_replicas orders
@@ -65,7 +66,7 @@ class OursPolicy(_Base):
         self.rid = [f"r{r:0{width}d}" for r in range(R)]
         self.index = {rid: r for r, rid in enumerate(self.rid)}
         self.snap = [
-            {"resident": frozenset(), "loading": frozenset(), "free_slots": cfg.device_slots, "running": 0}
+            {"resident": frozenset(), "loading": frozenset(), "free_slots": cfg.device_slots, "running": 0, "at": 0.0}
             for _ in range(R)
         ]
         self.views: list[placement.ReplicaView | None] = [None] * R
@@ -83,7 +84,7 @@ class OursPolicy(_Base):
         sim.pin(self.pins)
         for r in range(R):  # every replica's first stats
             self._changed[r] = set(sim.host[r]) | sim.pinned[r]
-            self._report(r)
+            self._report(r, 0.0)
         self._group = 0
         self._ticks = 0
 
@@ -99,9 +100,10 @@ class OursPolicy(_Base):
         """The cluster's mean ReplicaView.load, as rank_replicas computes it over every replica."""
         return self.key_sum / (self.sim.cfg.replicas * self.sim.cfg.max_ongoing)
 
-    def _report(self, r: int) -> None:
-        """Replica r's record_routing_stats() reaches the router."""
+    def _report(self, r: int, now: float) -> None:
+        """Replica r's record_routing_stats(), taken at `now`, reaches the router."""
         sim, s = self.sim, self.snap[r]
+        s["at"] = now
         changed = self._changed.pop(r, None)
         if changed is not None:
             res = frozenset(sim.host[r])
@@ -139,7 +141,7 @@ class OursPolicy(_Base):
 
     def on_tick(self, now: float) -> None:
         for r in range(self._group, self.sim.cfg.replicas, STATS_GROUPS):
-            self._report(r)
+            self._report(r, now)
         self._group = (self._group + 1) % STATS_GROUPS
         self._ticks += 1
         if self._ticks % 100 == 0:  # forget expired assignments (the router sweeps once a TTL)
@@ -183,7 +185,8 @@ class OursPolicy(_Base):
     def route(self, now: float, ctx: RouteCtx, adapter: str) -> int | None:
         cand = set(self.holders.get(adapter, ()))
         known = list(self.catalog.get(adapter, ()))
-        w = self.memory.where(adapter, now)
+        # AdapterAffinityRouter._recent_placement: the memory, less what newer stats show evicted since.
+        w = self.memory.confirmed(adapter, now, self.snap.__getitem__)
         if w:
             rid = self.rid
             known.extend(rid[r] for r in w)

@@ -50,14 +50,31 @@ def test_entries_and_forget():
 def test_stats_newer_than_an_assignment_override_it():
     """The router's memory says 'sent to r1 at t'; r1's stats taken well after t without the adapter (neither held
     nor loading) mean it was evicted since: the memory must not keep routing there (a reload each time)."""
-    from app.router.request_router import STATS_LAG_S, _dropped_since
+    from app.router.assignments import STATS_LAG_S, dropped_since
 
     t = 1000.0
-    assert not _dropped_since(
+    assert not dropped_since(
         {"at": t + 0.5, "resident": []}, "a@1", t
     )  # too soon: the load may not have begun
-    assert not _dropped_since({"resident": []}, "a@1", t)  # stats without a time: trust the memory
+    assert not dropped_since({"resident": []}, "a@1", t)  # stats without a time: trust the memory
     late = t + STATS_LAG_S + 0.1
-    assert _dropped_since({"at": late, "resident": ["b@1"], "loading": []}, "a@1", t)
-    assert not _dropped_since({"at": late, "resident": ["a@1"]}, "a@1", t)
-    assert not _dropped_since({"at": late, "resident": [], "loading": ["a@1"]}, "a@1", t)
+    assert dropped_since({"at": late, "resident": ["b@1"], "loading": []}, "a@1", t)
+    assert not dropped_since({"at": late, "resident": ["a@1"]}, "a@1", t)
+    assert not dropped_since({"at": late, "resident": [], "loading": ["a@1"]}, "a@1", t)
+
+
+def test_confirmed_skips_gone_replicas_and_forgets_dropped_ones():
+    """What the router (and the simulator) route on: memory entries less replicas that are gone and replicas whose
+    newer stats show the adapter dropped; the dropped ones are forgotten, the gone ones left to forget_replica."""
+    from app.router.assignments import STATS_LAG_S
+
+    m = AssignmentMemory(ttl_s=30.0)
+    for rid, t in (("r1", 100.0), ("r2", 100.5), ("r3", 101.0)):
+        m.record("a@1", rid, t)
+    late = 101.0 + STATS_LAG_S + 0.1
+    stats = {
+        "r1": {"at": late, "resident": ["b@1"], "loading": []},  # evicted since
+        "r3": {"at": late, "resident": ["a@1"]},
+    }  # r2: not among the live replicas
+    assert m.confirmed("a@1", 105.0, stats.get) == ["r3"]
+    assert m.where("a@1", 105.0) == ["r2", "r3"]  # r1 forgotten; r2 kept until its replica is declared dead

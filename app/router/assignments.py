@@ -10,7 +10,20 @@ of the request in hand). Pure Python: the router and the placement simulator sha
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Mapping
+
+# A replica's stats older than an assignment plus this may not show the adapter yet (request in flight, load not
+# started); newer stats that show it neither held nor loading mean it was evicted since.
+STATS_LAG_S = 2.0
+
+
+def dropped_since(stats: Mapping, adapter: str, sent_at: float) -> bool:
+    """Whether a replica's stats, taken well after `adapter` was sent there, show it neither held nor loading:
+    evicted since (the memory would otherwise keep routing there, to a reload, for the rest of its TTL)."""
+    at = stats.get("at")
+    if at is None or at < sent_at + STATS_LAG_S:
+        return False
+    return adapter not in (stats.get("resident") or ()) and adapter not in (stats.get("loading") or ())
 
 
 class AssignmentMemory:
@@ -44,6 +57,20 @@ class AssignmentMemory:
             del self._where[adapter]
             return []
         return list(w.items())
+
+    def confirmed(self, adapter: str, now: float, stats_of: Callable[[Hashable], Mapping | None]) -> list:
+        """Replicas `adapter` was sent to within ttl_s, oldest first, less those gone (`stats_of` gives None) and
+        those whose newer stats show it dropped (forgotten here). The router and the simulator both call this."""
+        out = []
+        for replica, sent_at in self.entries(adapter, now):
+            stats = stats_of(replica)
+            if stats is None:
+                continue
+            if dropped_since(stats, adapter, sent_at):
+                self.forget(adapter, replica)
+                continue
+            out.append(replica)
+        return out
 
     def forget(self, adapter: str, replica: Hashable) -> None:
         """`replica` no longer holds `adapter` (its stats, newer than the assignment, say so)."""

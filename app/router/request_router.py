@@ -24,18 +24,6 @@ logger = logging.getLogger("ray.serve")
 
 # How long a "just sent there" memory counts without the replica's stats confirming it.
 ASSIGNMENT_TTL_S = 30.0
-# A replica's stats older than an assignment plus this may not show the adapter yet (request in flight, load not
-# started); newer stats that show it neither held nor loading mean it was evicted since.
-STATS_LAG_S = 2.0
-
-
-def _dropped_since(stats: dict, adapter: str, sent_at: float) -> bool:
-    """Whether a replica's stats, taken well after `adapter` was sent there, show it neither held nor loading:
-    evicted since (the memory would otherwise keep routing there, to a reload, for the rest of its TTL)."""
-    at = stats.get("at")
-    if at is None or at < sent_at + STATS_LAG_S:
-        return False
-    return adapter not in (stats.get("resident") or ()) and adapter not in (stats.get("loading") or ())
 
 
 def adapters_of(model_id: str) -> list[str]:
@@ -75,14 +63,7 @@ class AdapterAffinityRouter(RequestRouter):
         }
         out: dict[str, list[str]] = {}
         for adapter in adapters:
-            where = []
-            for rid, sent_at in self._memory.entries(adapter, now):
-                if rid not in stats:
-                    continue
-                if _dropped_since(stats[rid], adapter, sent_at):
-                    self._memory.forget(adapter, rid)
-                    continue
-                where.append(rid)
+            where = self._memory.confirmed(adapter, now, stats.get)
             if where:
                 out[adapter] = where
         return out
