@@ -124,6 +124,12 @@ ROUTER_DECISIONS = _c(
     "free slot for them (free_slot), any other (any), or base-model requests (base)",
     ("decision",),
 )
+REPLICA_RETRIES = _c(
+    "loraland_replica_retries",
+    "Requests whose replica died before they produced output: sent again to another replica (retried), or "
+    "failed with a retryable error once every attempt was spent (gave_up)",
+    ("outcome",),
+)
 # ---------------------------------------------------------------- replicas: adapter tiers (gauges: app/replica/metrics.py)
 ADAPTER_LOADS = _c(
     "loraland_adapter_loads",

@@ -4,7 +4,8 @@ A Backend streams a request's reply items from a replica: Ray Serve's handle in 
 the adapter ref is the multiplexed model id, so the affinity router sees it), or a ReplicaCore in the same
 process for tests of the HTTP layer (app/replica/deployment.py's LocalBackend). `ReplicaStream` turns the
 items into ChoiceDeltas, raises a replica's in-band Failure as `RequestFailed` (app/router/http_errors.py maps
-it through the same table as any exception), and retries once when the replica died before answering.
+it through the same table as any exception), and sends the request again, up to MAX_ATTEMPTS times in all, when
+its replica died before it produced output (counted in loraland_replica_retries).
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from app import metrics
 from app.errors import LoraLandError
 from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, ReplyItem, RequestFailed
 from app.router.http_errors import replica_failed
 
 log = logging.getLogger("loraland.ingress")
+
+# Attempts per request when replicas die under it before any output (a node loss can take several replicas at
+# once); between attempts a short pause lets the router hear of the death and the deployment start a replacement.
+MAX_ATTEMPTS = 3
+RETRY_PAUSE_S = (0.05, 0.25)
 
 
 class Backend(Protocol):
@@ -54,10 +61,12 @@ class ReplicaStream:
         self.first_delta_at: float | None = None  # time.monotonic() of the first delta read (TTFT)
         self._items: AsyncIterator[ReplyItem] | None = None
         self._done = False
+        self._deaths = 0  # replicas that died under this request before it produced output
 
     async def open(self) -> ChoiceDelta:
-        """Start the request and read its first delta (or failure), retrying once if the replica died first."""
-        for attempt in (0, 1):
+        """Start the request and read its first delta (or failure), again on another replica if its replica died
+        first (MAX_ATTEMPTS in all)."""
+        while True:
             self._start()
             try:
                 item = await self._read()
@@ -71,11 +80,9 @@ class ReplicaStream:
                 ) from None
             except Exception as e:
                 self.cancel()
-                if attempt == 0 and replica_failed(e):
-                    log.warning("replica died before answering %s; retrying once", self.request.request_id)
+                if await self._again_after(e):
                     continue
                 raise
-        raise AssertionError("unreachable")
 
     async def next(self) -> ChoiceDelta | None:
         """The next delta, or None when the reply is complete; a Failure raises RequestFailed."""
@@ -87,8 +94,9 @@ class ReplicaStream:
         return self._take(item)
 
     async def collect(self) -> dict[int, ChoiceDelta]:
-        """Run to completion; a replica death mid-way is retried once (nothing was sent to the client)."""
-        for attempt in (0, 1):
+        """Run to completion; a replica death mid-way sends it again (nothing was sent to the client yet), up to
+        MAX_ATTEMPTS deaths in all, `open`'s included."""
+        while True:
             try:
                 await self.open()
                 while await self.next() is not None:
@@ -96,7 +104,7 @@ class ReplicaStream:
                 return self.choices
             except Exception as e:
                 self.cancel()
-                if attempt == 0 and replica_failed(e):
+                if await self._again_after(e):
                     continue
                 raise
         raise AssertionError("unreachable")
@@ -116,6 +124,22 @@ class ReplicaStream:
             asyncio.ensure_future(stream.aclose())
 
     # ------------------------------------------------------------------ internals
+    async def _again_after(self, exc: BaseException) -> bool:
+        """Whether to send the request again after `exc` ended an attempt: only when its replica died, and while
+        attempts remain (then after a short pause, for the router to hear of the death). Counts the outcome."""
+        if not replica_failed(exc) or self._deaths >= MAX_ATTEMPTS:  # not a death, or given up already
+            return False
+        self._deaths += 1
+        rid = self.request.request_id
+        if self._deaths >= MAX_ATTEMPTS:
+            metrics.REPLICA_RETRIES.labels("gave_up").inc()
+            log.warning("a replica died under %s on each of %d attempts; giving up", rid, MAX_ATTEMPTS)
+            return False
+        metrics.REPLICA_RETRIES.labels("retried").inc()
+        log.warning("replica died before answering %s; sending it again (attempt %d)", rid, self._deaths + 1)
+        await asyncio.sleep(RETRY_PAUSE_S[min(self._deaths, len(RETRY_PAUSE_S)) - 1])
+        return True
+
     def _start(self) -> None:
         self.replica, self.choices, self._done, self.first_delta_at = None, {}, False, None
         self._items = self.backend.stream(self.request, self.model_id)
