@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ReplicaView:
     kv_usage: float = 0.0
     loading: frozenset[str] = field(default_factory=frozenset)
 
-    @property
+    @cached_property  # read several times per ranking; the view is frozen
     def load(self) -> float:
         """Fraction of the replica's request capacity in use (the larger of the two views of it)."""
         busy = max(self.ongoing, self.running + self.queue_len)
@@ -112,9 +113,11 @@ def rank_replicas(
     def over(rid: str) -> bool:
         return policy.overloaded(by_id[rid], mean)
 
+    # Ties broken by id so the ranking is deterministic (tests, and stable affinity). Keys once per call.
+    keys = {rid: (r.load, r.kv_usage, rid) for rid, r in by_id.items()}
+
     def order(ids: Iterable[str]) -> list[str]:
-        # Ties broken by id so the ranking is deterministic (tests, and stable affinity).
-        return sorted(ids, key=lambda rid: (by_id[rid].load, by_id[rid].kv_usage, rid))
+        return sorted(ids, key=keys.__getitem__)
 
     holds_all: set[str] = set(by_id)
     missing: dict[str, int] = dict.fromkeys(by_id, 0)
