@@ -11,6 +11,7 @@ from typing import Any
 
 from app.cli.serve import start_serve
 from app.config.app_config import AppConfig
+from app.config.env_patch import EnvPatch
 from deploy.local_cluster import INGRESS_RESOURCE, REPLICA_RESOURCE, LocalCluster
 
 APP_NAME = "loraland"
@@ -35,7 +36,7 @@ def build_cluster_app(cfg: AppConfig):
     return ingress.bind(replicas.bind(args), args)
 
 
-_saved_env: list[dict[str, str | None]] = []  # what serve_on replaced in os.environ, for shutdown to restore
+_saved_env: list[EnvPatch] = []  # what serve_on set in os.environ, for shutdown to put back
 
 
 def serve_on(cluster: LocalCluster, cfg: AppConfig, port: int) -> str:

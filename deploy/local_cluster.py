@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.catalog.redis_server import free_port, start_redis
+from app.config.env_patch import EnvPatch
 from deploy.processes import (
     boost_priority,
     end_pids,
@@ -190,23 +191,17 @@ class LocalCluster:
             **self.aws_env(),
         }
 
-    def use_in_this_process(self) -> dict[str, str | None]:
-        """Put client_env() into os.environ for a driver in this process (`ray.init(address=...)`); returns
-        the previous values for `restore_env`. Ray caches the auth mode and token at import, so the cache is
-        refreshed too (what Ray's own authentication_test_utils do)."""
-        env = self.client_env()
-        previous = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+    def use_in_this_process(self) -> EnvPatch:
+        """Put client_env() into os.environ for a driver in this process (`ray.init(address=...)`); the returned
+        patch goes to `restore_env`. Ray caches the auth mode and token at import, so the cache is refreshed
+        too (what Ray's own authentication_test_utils do)."""
+        patch = EnvPatch(self.client_env())
         refresh_ray_auth()
-        return previous
+        return patch
 
     @staticmethod
-    def restore_env(previous: dict[str, str | None]) -> None:
-        for k, v in previous.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    def restore_env(patch: EnvPatch) -> None:
+        patch.restore()
         refresh_ray_auth()
 
     def _node_env(self, spec: NodeSpec, cache_dir: Path) -> dict[str, str]:

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from app.catalog.redis_server import _ping, find_redis_server, free_port
+from app.config.env_patch import EnvPatch
 
 TENANT = "alpha"
 ADMIN = "chaos-admin-token"
@@ -141,7 +142,7 @@ class LocalStack:
         self.base = f"http://127.0.0.1:{self.port}"
         self._refs: dict[tuple, str] = {}
         self._started = False
-        self._saved_env: dict[str, str | None] = {}  # what start() replaced in os.environ
+        self._saved_env: EnvPatch | None = None  # what start() set in os.environ, for close() to put back
 
     # ------------------------------------------------------------------ bring-up
     def start(self) -> LocalStack:
@@ -165,8 +166,7 @@ class LocalStack:
         env = {**aws_env(self.s3.url), "LORALAND_REDIS_URL": self.redis.url}
         # This process is the CLI that pushes, and hands the env to Ray's workers; close() puts it back.
         env_here = {**env, "LORALAND_CACHE_DIR": str(self.workdir / "cli-cache")}
-        self._saved_env = {k: os.environ.get(k) for k in env_here}
-        os.environ.update(env_here)
+        self._saved_env = EnvPatch(env_here)
         self.api_key = _cli("tenants", "create", TENANT, "--json")["api_key"]
         self.folders = {}
         for i, name in enumerate(self.warm + self.cold):
@@ -233,12 +233,8 @@ class LocalStack:
         self.s3.stop()
         self.redis.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
-        for k, v in self._saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        self._saved_env = {}
+        if self._saved_env is not None:
+            self._saved_env.restore()
 
     def __enter__(self) -> LocalStack:
         try:
