@@ -10,7 +10,9 @@ Every answer is checked against the single-request greedy output of an in-proces
 
 Faults, one per phase: `replica` kill -9 of one replica's worker process; `redis` kill -9 of redis-server, down
 for --down seconds, then restarted on the same port with its data; `s3` the S3 server stopped for --down seconds
-(the cold adapters are requested meanwhile), then started; `ingress` kill -9 of the ingress replica's process.
+(the cold adapters are requested meanwhile), then started; `ingress` kill -9 of one ingress replica's process
+(the stack runs --ingress-replicas, 2 by default, and Serve's proxy wrapped in IngressLossMiddleware: requests
+the dead ingress held are sent again or end with a 503 / an error event; chaos.md has the details).
 
 Per fault: sent, ok (200 and the reference text), clean (a 4xx, 429, 503 or 504 with an OpenAI error message,
 or a stream that ends with such an error event), lost (no answer, a hang past the client timeout, a 5xx without
@@ -23,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -36,6 +41,7 @@ from load_tests.local_stack import LocalStack, StackConfig, require_offline
 from tests.fixtures.models import CORPUS
 
 FAULTS = ("replica", "redis", "s3", "ingress")
+INGRESS_REPLICAS = 2  # killing one leaves the other serving (deploy/serve_config.yaml runs 2 as well)
 # A few prompts, so the single-request references (one oracle call per model, prompt and route) are few.
 PROMPTS = [" ".join(line.split()[:n]) for line in CORPUS[:4] for n in (3, 7)]
 
@@ -138,7 +144,7 @@ async def send(client: httpx.AsyncClient, stack: LocalStack, req: Req, timeout_s
                     return _error_outcome(r.status_code, r.content)
                 choice = r.json()["choices"][0]
                 text = choice["message"]["content"] if chat else choice["text"]
-                return ("ok", "") if text == want else ("wrong", "")
+                return ("ok", _retried(r)) if text == want else ("wrong", _retried(r))
             async with client.stream("POST", path, json=body, headers=headers) as r:
                 if r.status_code != 200:
                     return _error_outcome(r.status_code, await r.aread())
@@ -165,11 +171,18 @@ async def send(client: httpx.AsyncClient, stack: LocalStack, req: Req, timeout_s
                     return outcome, f"stream {note}"
                 if not done:
                     return "lost", "stream cut without [DONE]"
-                return ("ok", "") if text == want else ("wrong", "")
+                return ("ok", _retried(r)) if text == want else ("wrong", _retried(r))
     except TimeoutError:
         return "lost", "no answer (hang)"
     except httpx.HTTPError as e:
         return "lost", type(e).__name__
+
+
+def _retried(r: httpx.Response) -> str:
+    """'retried' when the proxy's IngressLossMiddleware sent the request a second time (its ingress died)."""
+    from app.router.http_errors import RETRIED_HEADER
+
+    return "ingress retried it" if r.headers.get(RETRIED_HEADER.decode()) else ""
 
 
 async def sweep(client: httpx.AsyncClient, stack: LocalStack, models: list[str]) -> list[str]:
@@ -239,6 +252,37 @@ def inject(stack: LocalStack, fault: str, down_s: float) -> None:
         raise ValueError(f"unknown fault {fault!r}: one of {FAULTS}")
 
 
+@contextlib.contextmanager
+def chaos_stack_setup(ingress_replicas: int = INGRESS_REPLICAS, proxy_middleware: bool = True):
+    """What a LocalStack started inside this block runs beyond its defaults: `ingress_replicas` ingress replicas
+    (StackConfig has no such option, so app.main.build_app is wrapped while the block lasts) and Serve's HTTP
+    proxy wrapped in IngressLossMiddleware (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, inherited by the Ray
+    processes ray.init starts; `proxy_middleware=False` measures the proxy without it). Both are put back on
+    exit."""
+    import app.main
+    from app.router.http_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    build = app.main.build_app
+    saved = os.environ.get(PROXY_CALLBACK_ENV)
+
+    def build_app(cfg):
+        return build(dataclasses.replace(cfg, ingress_replicas=ingress_replicas))
+
+    app.main.build_app = build_app
+    if proxy_middleware:
+        os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+    else:
+        os.environ.pop(PROXY_CALLBACK_ENV, None)
+    try:
+        yield
+    finally:
+        app.main.build_app = build
+        if saved is None:
+            os.environ.pop(PROXY_CALLBACK_ENV, None)
+        else:
+            os.environ[PROXY_CALLBACK_ENV] = saved
+
+
 def run_chaos(stack: LocalStack, cfg: ChaosConfig, faults=FAULTS) -> list[Row]:
     rng = random.Random(cfg.seed)
     t0 = time.monotonic()
@@ -285,12 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--down", type=float, default=ChaosConfig.down_s)
     p.add_argument("--post", type=float, default=ChaosConfig.post_s)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ingress-replicas", type=int, default=INGRESS_REPLICAS)
+    p.add_argument("--no-proxy-middleware", action="store_true", help="Serve's proxy as it is (a baseline)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     require_offline()
     cfg = ChaosConfig(concurrency=args.concurrency, pre_s=args.pre, down_s=args.down, post_s=args.post,
                       seed=args.seed)  # fmt: skip
-    with LocalStack(StackConfig()) as stack:
+    setup = chaos_stack_setup(args.ingress_replicas, proxy_middleware=not args.no_proxy_middleware)
+    with setup, LocalStack(StackConfig()) as stack:
         rows = run_chaos(stack, cfg, tuple(args.faults.split(",")))
     print("\n" + table(rows))
     if args.out:
