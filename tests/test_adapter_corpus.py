@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.inproc_stack import InprocStack, openai_error
+from tests.fixtures.inproc_stack import module_stack, openai_error
 from tests.fixtures.services import redis_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter
 
@@ -72,16 +72,11 @@ TYPE_KINDS = {
 
 @pytest.fixture(scope="module")
 def stack(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
-    root = tmp_path_factory.mktemp("corpus-adapters")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LORALAND_LOCAL_ROOTS", str(root))
-        mp.setenv("LORALAND_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        mp.setenv("LORALAND_MAX_ADAPTER_BYTES", str(MAX_BYTES))
-        s = InprocStack(redis_server, llama_dir, root)
-    s.reference = _complete(s, "pub")
-    assert s.reference.status_code == 200, s.reference.text
-    yield s
-    s.close()
+    env = {"LORALAND_MAX_ADAPTER_BYTES": str(MAX_BYTES)}
+    for s in module_stack(redis_server, llama_dir, tmp_path_factory, "corpus", **env):
+        s.reference = _complete(s, "pub")
+        assert s.reference.status_code == 200, s.reference.text
+        yield s
 
 
 def _complete(stack, model: str):

@@ -415,15 +415,9 @@ def test_new_values_the_sampler_cannot_honour_are_refused(kw, field, words):
 
 @pytest.fixture(scope="module")
 def http(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
-    from tests.fixtures.inproc_stack import InprocStack
+    from tests.fixtures.inproc_stack import module_stack
 
-    root = tmp_path_factory.mktemp("sf-http-adapters")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LORALAND_LOCAL_ROOTS", str(root))
-        mp.setenv("LORALAND_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        s = InprocStack(redis_server, llama_dir, root)
-    yield s
-    s.close()
+    yield from module_stack(redis_server, llama_dir, tmp_path_factory, "sf-http")
 
 
 def sdk(stack, fn):

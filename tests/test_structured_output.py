@@ -157,15 +157,9 @@ def test_a_schema_the_engine_cannot_compile_is_refused(kernel):
 
 @pytest.fixture(scope="module")
 def http(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
-    from tests.fixtures.inproc_stack import InprocStack
+    from tests.fixtures.inproc_stack import module_stack
 
-    root = tmp_path_factory.mktemp("so-http-adapters")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LORALAND_LOCAL_ROOTS", str(root))
-        mp.setenv("LORALAND_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        s = InprocStack(redis_server, llama_dir, root)
-    yield s
-    s.close()
+    yield from module_stack(redis_server, llama_dir, tmp_path_factory, "so-http")
 
 
 def test_http_bad_schema_is_a_400_naming_response_format(http):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from app.router.auth import BAD_KEY_BURST
-from tests.fixtures.inproc_stack import InprocStack, openai_error
+from tests.fixtures.inproc_stack import module_stack, openai_error
 from tests.fixtures.services import redis_server  # noqa: F401
 
 FOREIGN, MISSING = "b-private", "zz-missing"
@@ -24,13 +24,7 @@ TEMPLATES = ["{x}", "{x}@1", "pub|{x}", "{x}|pub", "pub*0.5+{x}*0.5", "ties(pub*
 
 @pytest.fixture(scope="module")
 def stack(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
-    root = tmp_path_factory.mktemp("leak-adapters")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LORALAND_LOCAL_ROOTS", str(root))
-        mp.setenv("LORALAND_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        s = InprocStack(redis_server, llama_dir, root)
-    yield s
-    s.close()
+    yield from module_stack(redis_server, llama_dir, tmp_path_factory, "leak")
 
 
 def _body(chat: bool, model: str, stream: bool) -> dict:

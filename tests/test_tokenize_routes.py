@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fixtures.inproc_stack import InprocStack, openai_error
+from tests.fixtures.inproc_stack import module_stack, openai_error
 from tests.fixtures.services import redis_server  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def stack(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
-    root = tmp_path_factory.mktemp("tok-adapters")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LORALAND_LOCAL_ROOTS", str(root))
-        mp.setenv("LORALAND_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        s = InprocStack(redis_server, llama_dir, root)
-    yield s
-    s.close()
+    yield from module_stack(redis_server, llama_dir, tmp_path_factory, "tok")
 
 
 def post(stack, who, path, body):
