@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -83,7 +84,7 @@ def lm_eval(
     cmd += ["--batch_size", "1", "--log_samples", "--output_path", str(out / label), "--seed", "1234", *extra]
     if limit:
         cmd += ["--limit", str(limit)]
-    print("$ " + " ".join(cmd), flush=True)
+    print("$ " + shlex.join(cmd), flush=True)
     t = time.perf_counter()
     log = out / f"{label}.log"
     if reuse and log.is_file() and list((out / label).rglob("results_*.json")):

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -72,7 +73,7 @@ def bench(venv: Path, url: str, model: str, tokenizer: Path, run: str, out: Path
         f"{run}-{model}.json",
     ]
     cmd += ["--disable-tqdm"]
-    print("$ " + " ".join(cmd), flush=True)
+    print("$ " + shlex.join(cmd), flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "OPENAI_API_KEY": "none", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     log = out / f"{run}-{model}.log"
