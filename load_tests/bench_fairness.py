@@ -7,14 +7,17 @@ holds, so a queue builds: far more than its share). Tenant B sends a steady low 
 saturated request rate, at fixed intervals. Every request: `--prompt-len` random prompt tokens and between
 `--new`/2 and 3*`--new`/2 output tokens (ignore_eos; `--fixed-len`: exactly `--new`, and A's requests then finish
 in lockstep, a batch at a time), TinyLlama-width 2-layer random model (load_tests/models.py). Policies: "vtc",
-"vtc+preempt" (KernelConfig.vtc_preempt) and "fcfs". Per policy, on one kernel:
+"vtc+preempt" (KernelConfig.vtc_preempt: fair claims), "vtc+preempt+noisolate" (claims without the isolated
+prefill step) and "fcfs". Per policy, on one kernel:
 
   saturated  A alone, closed loop: output tok/s, the server's saturated throughput
   b_alone    B alone at its rate: B's time to first token (TTFT), p50 and p99
   flood      A and B together: B's TTFT p50/p99, overall output tok/s
 
 Goals (issue 15): B's p99 TTFT under the flood <= 1.2x B alone; overall tok/s under the flood >= 0.9x saturated.
-With few B requests (quick mode) p99 is close to the maximum: read it as such.
+With few B requests (quick mode) p99 is close to the maximum: read it as such. Also printed: the engine steps'
+p99 duration alone and under the flood. A step is not interruptible, so a B request that arrives mid-step waits
+for it whatever the policy: under the flood that is a step of A's full batch, the floor of B's extra TTFT.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Phase:
         default_factory=list
     )  # engine arrival -> admission, seconds (no client side)
     pending_b: int = 0  # B requests sent in the window still waiting for their first token
+    steps: list[float] = field(default_factory=list)  # engine step durations in the window, seconds
 
     def in_window(self, t: float) -> bool:
         return self.start <= t < self.end
@@ -78,6 +82,16 @@ class Bench:
             admitted(seq)
 
         kernel.fairness.admitted = timed_admission
+        step = kernel.engine.step
+
+        def timed_step() -> bool:  # the engine thread's steps: how long a request arriving mid-step waits
+            t0 = time.perf_counter()
+            ran = step()
+            if ran and self.phase is not None and self.phase.in_window(t0):
+                self.phase.steps.append(time.perf_counter() - t0)
+            return ran
+
+        kernel.engine.step = timed_step
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(3, self.vocab) for _ in range(self.a.prompt_len)]
@@ -160,6 +174,9 @@ async def measure(kernel, a: argparse.Namespace) -> dict:
         "flood_tok_s": flood.tok_s(),
         "flood_a_tok_s": flood.tok_s("a"),
         "flood_b_tok_s": flood.tok_s("b"),
+        "b_alone_step_p99": pct(alone.steps, 99),
+        "flood_step_p50": pct(flood.steps, 50),
+        "flood_step_p99": pct(flood.steps, 99),
     }
     row["ttft_p99_ratio"] = row["flood_b_ttft_p99"] / row["b_alone_ttft_p99"]
     row["throughput_ratio"] = row["flood_tok_s"] / row["saturated_tok_s"]
@@ -203,9 +220,11 @@ def main() -> None:
             dtype=a.dtype,
             max_batch_size=a.max_batch,
             enable_prefix_caching=False,
-            scheduling_policy=policy.removesuffix("+preempt"),
-            vtc_preempt=policy.endswith("+preempt"),
+            scheduling_policy=policy.split("+")[0],
+            vtc_preempt="+preempt" in policy,
         ) as k:
+            if "+noisolate" in policy:
+                k.fairness.isolate = False
             k.complete([[5, 6, 7]], max_tokens=2, ignore_eos=True)  # warm-up
             rows[policy] = r = asyncio.run(measure(k, a))
             r["preemptions"] = k.engine.scheduler.num_preemptions
@@ -214,7 +233,9 @@ def main() -> None:
             f"p99 {r['b_alone_ttft_p99']:.3f}s (n={r['b_alone_n']}) | flood: B TTFT p50 {r['flood_b_ttft_p50']:.3f}s "
             f"p99 {r['flood_b_ttft_p99']:.3f}s (n={r['flood_b_n']}), {r['flood_tok_s']:.1f} tok/s "
             f"(A {r['flood_a_tok_s']:.1f}, B {r['flood_b_tok_s']:.1f}), B queued p50 {r['flood_b_queue_p50']:.3f}s "
-            f"p99 {r['flood_b_queue_p99']:.3f}s (alone p99 {r['b_alone_queue_p99']:.3f}s) | p99 ratio {r['ttft_p99_ratio']:.2f} "
+            f"p99 {r['flood_b_queue_p99']:.3f}s (alone p99 {r['b_alone_queue_p99']:.3f}s), steps p50 "
+            f"{r['flood_step_p50']:.3f}s p99 {r['flood_step_p99']:.3f}s (alone p99 {r['b_alone_step_p99']:.3f}s), "
+            f"preemptions {r['preemptions']} | p99 ratio {r['ttft_p99_ratio']:.2f} "
             f"(goal <= 1.2), throughput ratio {r['throughput_ratio']:.2f} (goal >= 0.9)",
             flush=True,
         )

@@ -23,12 +23,26 @@ Where the paper leaves a choice open, or this engine differs from its setting:
   next request is tried: a cold adapter blocks neither its tenant nor anyone else.
 - Tenant None (no tenant: auth off, or the admin) is one tenant, "anonymous", of weight 1 unless set.
 
-Beyond the paper, optional (`preempt=True`, KernelConfig.vtc_preempt): the paper's VTC never preempts, so a
-tenant that falls behind still waits for a running request to finish before it gets a slot, which under a flood
-of long requests is most of a request's length. With `preempt`, when every batch slot is taken, a waiting tenant
-behind the most-served running tenant by more than its head request's prompt cost takes one slot per step from
-it: that tenant's running sequence with the least computed (cheapest to recompute) is preempted by recompute.
-The margin keeps two tenants from trading a slot back and forth. Slots only, not KV memory.
+Beyond the paper, optional (`preempt=True`, KernelConfig.vtc_preempt): fair claims. The paper's VTC never
+preempts, so a tenant that falls behind waits for a running request to finish before it gets a slot, which under a
+flood of long requests is most of a request's length; and its prefill then rides in a step full of the flooder's
+tokens. With `preempt`, every active tenant (waiting or running) is guaranteed floor(max_batch_size * its weight /
+the active tenants' total weight) batch slots. A waiting request whose tenant runs fewer than its guarantee, and
+whose counter is not above theirs, claims a slot from the tenants that run more than their guarantee (the
+"yielders"), before any other admission:
+- slot and KV: if the batch is full, or the KV cache lacks blocks for its first chunk, the yielders' running
+  sequences are preempted by recompute, the most-served tenant's least computed (cheapest to recompute) first, and
+  never so many that a yielder falls below its own guarantee; if that cannot make room, it waits as before;
+- budget: its first prefill chunk is scheduled first, before any running sequence, in the step's token budget;
+- isolation (`isolate`, on with preempt): the step that carries that first chunk carries no token of the yielders
+  (their running sequences sit out one step, keeping their KV; none of them is admitted in it), so the claimant's
+  time to first token is that of its own prefill, not of the flooder's batch. A step's cost is close to additive
+  in its tokens (the decode tokens cost the same one step later), so this costs the yielders one step's fixed cost
+  per claim, not their throughput.
+A slot so moves only from a tenant above its guarantee to one below it, never back while both stay on their side:
+no thrashing. The counter condition keeps claims in VTC's direction (a claimant is never ahead of whom it takes
+from), so the bound still holds, and a yielder is never starved: a claim charges the claimant's prompt, and once
+its counter passes the yielder's it claims no more.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from app.config.kernel_config import SCHEDULING_POLICIES
@@ -48,13 +63,27 @@ W_OUTPUT = 2.0
 _NOBODY = object()  # "no tenant has left the queue yet" (None is a tenant: the anonymous one)
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A waiting sequence is owed a slot now. victims: running sequences the scheduler may preempt to make room
+    (slot or KV blocks), in the order to take them (none: only a free slot will do); yielders: tenants whose running
+    sequences sit out the step that carries the claimant's first prefill chunk."""
+
+    victims: tuple[Sequence, ...] = ()
+    yielders: frozenset[str | None] = frozenset()
+
+
 class AdmissionPolicy(Protocol):
     """What the scheduler asks of a policy; every call is on the engine thread, except `set_weights`.
 
     enqueued: seq joined the waiting queue (arrival False: it was preempted); dequeued: it left the queue
     (admitted, aborted, failed); order: the waiting sequences in admission order, re-read after each admission;
-    admitted: a candidate was admitted; sampled: one output token was sampled for seq; victim: the running
-    sequence a waiting seq may take the slot of, when the batch is full (None: wait)."""
+    admitted: a candidate was admitted; sampled: one output token was sampled for seq; claims: whether `claim`
+    can ever answer; claim: whether waiting seq is owed a slot now, ahead of the order, and at whose expense (None:
+    no); kv_victim: which of the running sequences not yet scheduled this step to preempt when KV blocks run out
+    (they are in admission order)."""
+
+    claims: bool
 
     def enqueued(self, seq: Sequence, arrival: bool) -> None: ...
     def dequeued(self, seq: Sequence) -> None: ...
@@ -62,11 +91,14 @@ class AdmissionPolicy(Protocol):
     def admitted(self, seq: Sequence) -> None: ...
     def sampled(self, seq: Sequence) -> None: ...
     def set_weights(self, weights: Mapping[str | None, float]) -> None: ...
-    def victim(self, seq: Sequence, running: list[Sequence]) -> Sequence | None: ...
+    def claim(self, seq: Sequence, running: list[Sequence], max_batch: int) -> Claim | None: ...
+    def kv_victim(self, candidates: list[Sequence]) -> Sequence: ...
 
 
 class FirstComeFirstServed:
     """Arrival order, tenants ignored (the scheduler's behaviour before fairness)."""
+
+    claims = False
 
     def enqueued(self, seq: Sequence, arrival: bool) -> None:
         pass
@@ -86,8 +118,11 @@ class FirstComeFirstServed:
     def set_weights(self, weights: Mapping[str | None, float]) -> None:
         pass
 
-    def victim(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
+    def claim(self, seq: Sequence, running: list[Sequence], max_batch: int) -> Claim | None:
         return None
+
+    def kv_victim(self, candidates: list[Sequence]) -> Sequence:
+        return candidates[-1]  # the newest
 
 
 class VirtualTokenCounter:
@@ -99,12 +134,14 @@ class VirtualTokenCounter:
         w_output: float = W_OUTPUT,
         weights: Mapping[str | None, float] | None = None,
         preempt: bool = False,
+        isolate: bool = True,
     ):
         for name, w in (("w_prompt", w_prompt), ("w_output", w_output)):
             if not _positive(w):
                 raise ValueError(f"VTC {name} must be a positive number, got {w!r}")
         self.w_prompt, self.w_output = float(w_prompt), float(w_output)
         self.preempt = preempt
+        self.isolate = isolate  # only with preempt: a claim's first prefill step carries no yielder's token
         self.counters: dict[str | None, float] = {}
         self._weights: dict[str | None, float] = {}
         self._waiting: Counter[str | None] = Counter()  # tenant -> its requests in the waiting queue
@@ -167,19 +204,44 @@ class VirtualTokenCounter:
                 del queues[t]
             yield seq
 
-    def victim(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
-        """With `preempt`: the running sequence waiting `seq` may take the slot of, or None (see the module
-        docstring). The margin is seq's prompt cost even for a preempted seq, whose prompt is paid for."""
+    # ------------------------------------------------------------------ fair claims (preempt=True)
+    @property
+    def claims(self) -> bool:
+        return self.preempt
+
+    def guarantees(self, tenants: set[str | None], max_batch: int) -> dict[str | None, int]:
+        """Batch slots each active tenant is guaranteed: its weighted share, rounded down."""
+        total = sum(self.weight(t) for t in tenants)
+        return {t: math.floor(max_batch * self.weight(t) / total + 1e-9) for t in tenants}
+
+    def claim(self, seq: Sequence, running: list[Sequence], max_batch: int) -> Claim | None:
+        """Whether waiting `seq` is owed a slot now (see the module docstring), and at whose expense."""
         if not self.preempt:
             return None
-        others = [r for r in running if r.tenant != seq.tenant]
-        if not others:
+        count = Counter(r.tenant for r in running)
+        g = self.guarantees(set(self._waiting) | set(count) | {seq.tenant}, max_batch)
+        t = seq.tenant
+        if count[t] >= g[t]:
             return None
-        top = max({r.tenant for r in others}, key=self.counter)
-        margin = self.w_prompt * len(seq.prompt_ids) / self.weight(seq.tenant)
-        if self.counter(seq.tenant) + margin >= self.counter(top):
+        mine = self.counter(t)
+        over = [u for u in count if u != t and count[u] > g[u] and self.counter(u) >= mine]
+        if not over and len(running) < max_batch:
+            return Claim()  # a free slot: no victim, and nobody above its guarantee to hold back
+        victims: list[Sequence] = []
+        for u in sorted(over, key=lambda u: -self.counter(u)):  # the most served gives first
+            theirs = sorted((r for r in running if r.tenant == u), key=lambda r: (r.num_computed, -r.arrival))
+            victims += theirs[: count[u] - g[u]]
+        if not victims:
             return None
-        return min((r for r in others if r.tenant == top), key=lambda r: (r.num_computed, -r.arrival))
+        return Claim(tuple(victims), frozenset(over) if self.isolate else frozenset())
+
+    def kv_victim(self, candidates: list[Sequence]) -> Sequence:
+        """Out of KV blocks: without preempt, the newest (the scheduler's rule); with it, the newest of the most
+        served tenant among the candidates, so a tenant behind does not pay for the flooder's growth."""
+        if not self.preempt:
+            return candidates[-1]
+        top = max(self.counter(c.tenant) for c in candidates)
+        return [c for c in candidates if self.counter(c.tenant) == top][-1]
 
     # ------------------------------------------------------------------ charging
     def admitted(self, seq: Sequence) -> None:
@@ -196,10 +258,14 @@ class VirtualTokenCounter:
 
 
 def make_policy(
-    name: str, w_prompt: float = W_PROMPT, w_output: float = W_OUTPUT, preempt: bool = False
+    name: str,
+    w_prompt: float = W_PROMPT,
+    w_output: float = W_OUTPUT,
+    preempt: bool = False,
+    isolate: bool = True,
 ) -> FirstComeFirstServed | VirtualTokenCounter:
     if name == "vtc":
-        return VirtualTokenCounter(w_prompt, w_output, preempt=preempt)
+        return VirtualTokenCounter(w_prompt, w_output, preempt=preempt, isolate=isolate)
     if name == "fcfs":
         return FirstComeFirstServed()
     raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")

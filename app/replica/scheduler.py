@@ -5,6 +5,8 @@ recompute: the victim's blocks are freed and it re-enters the waiting queue at i
 no request is lost and its output is unchanged (its sampled tokens become part of what is recomputed).
 Which waiting request is admitted next is the admission policy's call (app/replica/fairness.py): arrival order
 (FCFS), or between tenants by the Virtual Token Counter; running sequences are served oldest first either way.
+A policy with fair claims (VTC with preempt) may also make a waiting request jump ahead: it is admitted first in
+the step, taking a slot or KV blocks from tenants above their guarantee, and those tenants sit the step out.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Batch:
     items: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # for lack of KV blocks
     displaced: list[Sequence] = field(default_factory=list)  # preempted by the policy for a tenant behind
+    sitting_out: frozenset = frozenset()  # tenants whose running sequences the policy held out of this step
 
     @property
     def num_tokens(self) -> int:
@@ -163,33 +166,34 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.config.max_num_batched_tokens
-        # 0. a full batch may give one slot to a waiting tenant that is behind (the policy's call; FCFS never)
-        if self.waiting and len(self.running) >= self.config.max_batch_size:
-            self._displace(batch)
-        # 1. running sequences, oldest first; preempt the newest when blocks run out
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # 0. requests the policy says are owed a slot now go first (FCFS: never), maybe holding tenants out
+        claimed: set[int] = set()
+        if self.waiting and self.policy.claims:
+            budget = self._claim(batch, budget, claimed)
+        out = batch.sitting_out
+        # 1. running sequences, oldest first; when blocks run out, preempt one not yet scheduled (the policy's
+        # pick: the newest, or the newest of the most-served tenant)
+        pending = [s for s in self.running if id(s) not in claimed and s.tenant not in out]
+        while pending and budget > 0:
+            seq = pending[0]
             n = min(seq.num_uncomputed, budget)
-            while not self._grow(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if self._grow(seq, n):
                 batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
                 budget -= n
-                i += 1
+                pending.pop(0)
                 continue
-            # seq itself was preempted; everything after it was too
-            break
+            scheduled = {id(it.seq) for it in batch.items}
+            victim = self.policy.kv_victim([s for s in self.running if id(s) not in scheduled])
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim in pending:
+                pending.remove(victim)
         # 2. admit waiting sequences in the policy's order while there is room
         if not batch.preempted:
             for seq in self.policy.order(self.waiting):
                 if budget <= 0 or len(self.running) >= self.config.max_batch_size:
                     break
-                if not self.admit(seq):
+                if seq.tenant in out or not self.admit(seq):
                     continue
                 # prompt log probabilities need the logits of every prompt position: no cached prefix
                 if self.alloc.enable_prefix_caching and seq.params.prompt_logprobs is None:
@@ -199,25 +203,63 @@ class Scheduler:
                     self._free(seq)
                     self.release(seq)
                     break  # head of line keeps its place: no starvation of old requests
-                self._remove_waiting(seq)
-                self.policy.admitted(seq)
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
+                self._start(seq, n, batch)
                 budget -= n
         return batch
 
-    def _displace(self, batch: Batch) -> None:
+    def _start(self, seq: Sequence, n: int, batch: Batch) -> None:
+        self._remove_waiting(seq)
+        self.policy.admitted(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
+
+    def _claim(self, batch: Batch, budget: int, claimed: set[int]) -> int:
+        """Admit the waiting sequences the policy says are owed a slot now, first in the step's budget,
+        preempting the victims it names while the batch is full or KV blocks are short; returns the budget left."""
+        # the answer is per tenant: one no is a no for its later requests too
+        refused: set[str | None] = set()
+        out = set(batch.sitting_out)
         for seq in self.policy.order(self.waiting):
-            victim = self.policy.victim(seq, self.running)
-            if victim is None:
-                return  # the policy's order is most-behind first: nobody after seq is owed a slot either
+            if budget <= 0:
+                break
+            if seq.tenant in refused:
+                continue
+            claim = self.policy.claim(seq, self.running, self.config.max_batch_size)
+            if claim is None:
+                refused.add(seq.tenant)
+                continue
+            full = len(self.running) >= self.config.max_batch_size
+            if full and not claim.victims:
+                refused.add(seq.tenant)
+                continue
             if not self.admit(seq):
-                continue  # its adapter is not resident yet: the next candidate may be
-            self.release(seq)  # admitted for real in step 2, into the slot freed here
-            self._preempt(victim)
-            batch.displaced.append(victim)
-            return
+                continue  # a cold adapter: its tenant's next request may be warm
+            if self.alloc.enable_prefix_caching and seq.params.prompt_logprobs is None:
+                self._reuse_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            victims = list(claim.victims)
+            # count what the victims would free first: never preempt for a claim that cannot fit
+            freeable = sum(len(v.block_ids) for v in victims)
+            need = self._blocks_needed(seq, n)
+            if need > self.alloc.num_free + freeable:
+                self._free(seq)
+                self.release(seq)
+                continue
+            while victims and (len(self.running) >= self.config.max_batch_size or need > self.alloc.num_free):
+                v = victims.pop(0)
+                self._preempt(v)
+                batch.displaced.append(v)
+            if len(self.running) >= self.config.max_batch_size or not self._grow(seq, n):
+                self._free(seq)  # shared prefix blocks freed less than counted: rare, and it waits as before
+                self.release(seq)
+                continue
+            self._start(seq, n, batch)
+            budget -= n
+            claimed.add(id(seq))
+            out |= claim.yielders
+        batch.sitting_out = frozenset(out)
+        return budget
 
     def commit(self, batch: Batch) -> None:
         """After the forward: mark the fed tokens computed, register newly filled blocks for reuse, and charge
