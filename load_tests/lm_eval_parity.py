@@ -26,12 +26,14 @@ load_tests/lm_eval_parity.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -56,6 +58,21 @@ def build_assets(out: Path) -> tuple[Path, Path]:
     adapter = out / "store" / ADAPTER
     write_tiny_adapter(adapter, "llama-gqa", seed=18)
     return model, adapter
+
+
+@contextlib.contextmanager
+def serving_adapter(model: Path, adapter: Path, out: Path) -> Iterator[str]:
+    """`loraland serve` on `model` (1 replica, 1 CPU, fp32) with `adapter` registered as ADAPTER; yields its URL."""
+    env = {"LORALAND_CACHE_DIR": str(out / "serve-cache"), "OMP_NUM_THREADS": "1"}
+    args = ["--adapter-store", str(adapter.parent), "--replica-cpus", "1", "--replica-gpus", "0"]
+    args += ["--dtype", "float32"]
+    t = time.perf_counter()
+    with loraland_serve(model, out / "serve.log", *args, env=env) as url:
+        print(f"  loraland serve up in {time.perf_counter() - t:.0f} s at {url}", flush=True)
+        r = httpx.post(f"{url}/v1/adapters", json={"name": ADAPTER, "public": True}, timeout=120)
+        if r.status_code not in (200, 201):
+            raise RuntimeError(f"registering {ADAPTER}: {r.status_code} {r.text}")
+        yield url
 
 
 def lm_eval(
@@ -179,15 +196,7 @@ def main() -> None:
     if not a.skip_base:
         runs["hf-base"] = lm_eval(a.lm_eval, a.out, "hf-base", "hf", f"pretrained={model},dtype=float32",
                                   "--device", "cpu", limit=a.limit, reuse=a.reuse_hf)  # fmt: skip
-    env = {"LORALAND_CACHE_DIR": str(a.out / "serve-cache"), "OMP_NUM_THREADS": "1"}
-    args = ["--adapter-store", str(adapter.parent), "--replica-cpus", "1", "--replica-gpus", "0"]
-    args += ["--dtype", "float32"]
-    t = time.perf_counter()
-    with loraland_serve(model, a.out / "serve.log", *args, env=env) as url:
-        print(f"  loraland serve up in {time.perf_counter() - t:.0f} s at {url}", flush=True)
-        r = httpx.post(f"{url}/v1/adapters", json={"name": ADAPTER, "public": True}, timeout=120)
-        if r.status_code not in (200, 201):
-            raise RuntimeError(f"registering {ADAPTER}: {r.status_code} {r.text}")
+    with serving_adapter(model, adapter, a.out) as url:
         margs = (
             f"model={ADAPTER},base_url={url}/v1/completions,tokenizer={model},tokenizer_backend=huggingface"
         )

@@ -27,13 +27,11 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from load_tests.lm_eval_parity import ADAPTER, build_assets
-from load_tests.servers import loraland_serve
+from load_tests.lm_eval_parity import ADAPTER, build_assets, serving_adapter
 
 RUNS = {
     "completions": ["--backend", "openai", "--endpoint", "/v1/completions", "--logprobs", "5"],
@@ -124,16 +122,8 @@ def main() -> None:
     require_offline()
     a.out.mkdir(parents=True, exist_ok=True)
     model, adapter = build_assets(a.out)
-    env = {"LORALAND_CACHE_DIR": str(a.out / "serve-cache"), "OMP_NUM_THREADS": "1"}
-    args = ["--adapter-store", str(adapter.parent), "--replica-cpus", "1", "--replica-gpus", "0"]
-    args += ["--dtype", "float32"]
     results, problems = {}, []
-    t = time.perf_counter()
-    with loraland_serve(model, a.out / "serve.log", *args, env=env) as url:
-        print(f"  loraland serve up in {time.perf_counter() - t:.0f} s at {url}", flush=True)
-        r = httpx.post(f"{url}/v1/adapters", json={"name": ADAPTER, "public": True}, timeout=120)
-        if r.status_code not in (200, 201):
-            raise RuntimeError(f"registering {ADAPTER}: {r.status_code} {r.text}")
+    with serving_adapter(model, adapter, a.out) as url:
         for name in (ADAPTER, "base"):
             problems += direct_checks(url, name)
             for run in RUNS:
