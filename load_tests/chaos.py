@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--post", type=float, default=ChaosConfig.post_s)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ingress-replicas", type=int, default=INGRESS_REPLICAS)
+    p.add_argument("--max-tokens", type=int, default=StackConfig.max_tokens, help="per request")
     p.add_argument("--no-proxy-middleware", action="store_true", help="Serve's proxy as it is (a baseline)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ChaosConfig(concurrency=args.concurrency, pre_s=args.pre, down_s=args.down, post_s=args.post,
                       seed=args.seed)  # fmt: skip
     setup = chaos_stack_setup(args.ingress_replicas, proxy_middleware=not args.no_proxy_middleware)
-    with setup, LocalStack(StackConfig()) as stack:
+    with setup, LocalStack(StackConfig(max_tokens=args.max_tokens)) as stack:
         rows = run_chaos(stack, cfg, tuple(args.faults.split(",")))
     print("\n" + table(rows))
     if args.out:

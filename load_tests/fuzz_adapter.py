@@ -1,6 +1,6 @@
 """Fuzz the PEFT adapter reader (atheris): adapter_config.json and the safetensors header and bytes.
 
-    python -m load_tests.fuzz_adapter --runs 1000000          # the long run (~2 h at ~150 executions/s)
+    python -m load_tests.fuzz_adapter --runs 1000000          # the long run (30 min at ~560/s: chaos.md)
     python -m load_tests.fuzz_adapter --runs 1000 --seed 1    # what tests/test_fuzz.py runs
 
 Every input becomes an adapter folder (adapter_config.json + adapter_model.safetensors, sometimes a pickle or
