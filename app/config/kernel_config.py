@@ -45,9 +45,9 @@ class KernelConfig:
     vtc_output_weight: float = 2.0
     # Beyond the paper, fair claims (app/replica/fairness.py): each active tenant is guaranteed its weighted share
     # of batch slots; a request of a tenant below its share (and not ahead in service) is admitted at once, first
-    # in the step's budget, preempting (recompute) the sequences of tenants above their share when the batch or the
-    # KV cache is full, in a step those tenants sit out. Its TTFT no longer waits for a flooder's requests to
-    # finish nor rides in the flooder's batch; the recomputes cost throughput (load_tests/bench_fairness.py).
+    # in the step's budget, holding (KV kept) or preempting (recompute, when KV is short) sequences of tenants above
+    # their share when the batch or the KV cache is full, in a step those tenants sit out. Its TTFT no longer waits
+    # for a flooder's requests to finish nor rides in the flooder's batch (load_tests/bench_fairness.py).
     vtc_preempt: bool = False
 
     def __post_init__(self) -> None:

@@ -31,8 +31,9 @@ the active tenants' total weight) batch slots. A waiting request whose tenant ru
 whose counter is not above theirs, claims a slot from the tenants that run more than their guarantee (the
 "yielders"), before any other admission:
 - slot and KV: if the batch is full, or the KV cache lacks blocks for its first chunk, the yielders' running
-  sequences are preempted by recompute, the most-served tenant's least computed (cheapest to recompute) first, and
-  never so many that a yielder falls below its own guarantee; if that cannot make room, it waits as before;
+  sequences give way, the most-served tenant's least computed first, never so many that a yielder falls below its
+  own guarantee: held (the scheduler keeps them and their KV, unscheduled until a slot frees: no recompute) when
+  the KV cache has room, preempted by recompute when their blocks are needed; if that cannot make room, it waits;
 - budget: its first prefill chunk is scheduled first, before any running sequence, in the step's token budget;
 - isolation (`isolate`, on with preempt): the step that carries that first chunk carries no token of the yielders
   (their running sequences sit out one step, keeping their KV; none of them is admitted in it), so the claimant's
@@ -215,7 +216,9 @@ class VirtualTokenCounter:
         return {t: math.floor(max_batch * self.weight(t) / total + 1e-9) for t in tenants}
 
     def claim(self, seq: Sequence, running: list[Sequence], max_batch: int) -> Claim | None:
-        """Whether waiting `seq` is owed a slot now (see the module docstring), and at whose expense."""
+        """Whether waiting `seq` is owed a slot now (see the module docstring), and at whose expense. `running`:
+        the sequences holding batch slots (held ones do not). Only against a tenant above its guarantee: with one
+        tenant, or nobody above, admission stays the ordinary one (head of line keeps its place)."""
         if not self.preempt:
             return None
         count = Counter(r.tenant for r in running)
@@ -225,14 +228,12 @@ class VirtualTokenCounter:
             return None
         mine = self.counter(t)
         over = [u for u in count if u != t and count[u] > g[u] and self.counter(u) >= mine]
-        if not over and len(running) < max_batch:
-            return Claim()  # a free slot: no victim, and nobody above its guarantee to hold back
+        if not over:
+            return None  # nobody above its guarantee: no contention, ordinary admission is fair enough
         victims: list[Sequence] = []
         for u in sorted(over, key=lambda u: -self.counter(u)):  # the most served gives first
             theirs = sorted((r for r in running if r.tenant == u), key=lambda r: (r.num_computed, -r.arrival))
             victims += theirs[: count[u] - g[u]]
-        if not victims:
-            return None
         return Claim(tuple(victims), frozenset(over) if self.isolate else frozenset())
 
     def kv_victim(self, candidates: list[Sequence]) -> Sequence:

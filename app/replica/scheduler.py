@@ -49,7 +49,9 @@ class ScheduledSeq:
 class Batch:
     items: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # for lack of KV blocks
-    displaced: list[Sequence] = field(default_factory=list)  # preempted by the policy for a tenant behind
+    # gave their slot to a claim of a tenant behind: held (kept running with their KV, not scheduled, until a slot
+    # frees) or, when the claim needed their KV blocks too, preempted by recompute (then also in num_preemptions)
+    displaced: list[Sequence] = field(default_factory=list)
     sitting_out: frozenset = frozenset()  # tenants whose running sequences the policy held out of this step
 
     @property
@@ -85,6 +87,8 @@ class Scheduler:
         self.release = release
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
+        # running sequences a claim took the slot of, KV kept: not scheduled while the batch is over its size
+        self.held: list[Sequence] = []
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- queue management
@@ -113,6 +117,7 @@ class Scheduler:
         was_running = seq.status is Status.RUNNING
         if seq in self.running:
             self.running.remove(seq)
+            self._unhold(seq)
         elif seq in self.waiting:
             self._remove_waiting(seq)
         self._free(seq)
@@ -129,6 +134,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._unhold(seq)
         self._free(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -168,12 +174,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # 0. requests the policy says are owed a slot now go first (FCFS: never), maybe holding tenants out
         claimed: set[int] = set()
+        # held sequences resume, oldest first, as soon as the batch has room for them (before any admission)
+        while self.held and len(self.running) - len(self.held) < self.config.max_batch_size:
+            self.held.remove(min(self.held, key=self.running.index))
         if self.waiting and self.policy.claims:
             budget = self._claim(batch, budget, claimed)
         out = batch.sitting_out
         # 1. running sequences, oldest first; when blocks run out, preempt one not yet scheduled (the policy's
         # pick: the newest, or the newest of the most-served tenant)
-        pending = [s for s in self.running if id(s) not in claimed and s.tenant not in out]
+        held = {id(s) for s in self.held}
+        pending = [
+            s for s in self.running if id(s) not in claimed and id(s) not in held and s.tenant not in out
+        ]
         while pending and budget > 0:
             seq = pending[0]
             n = min(seq.num_uncomputed, budget)
@@ -191,7 +203,7 @@ class Scheduler:
         # 2. admit waiting sequences in the policy's order while there is room
         if not batch.preempted:
             for seq in self.policy.order(self.waiting):
-                if budget <= 0 or len(self.running) >= self.config.max_batch_size:
+                if budget <= 0 or self._active() >= self.config.max_batch_size:
                     break
                 if seq.tenant in out or not self.admit(seq):
                     continue
@@ -206,6 +218,13 @@ class Scheduler:
                 self._start(seq, n, batch)
                 budget -= n
         return batch
+
+    def _active(self) -> int:
+        return len(self.running) - len(self.held)
+
+    def _unhold(self, seq: Sequence) -> None:
+        if seq in self.held:
+            self.held.remove(seq)
 
     def _start(self, seq: Sequence, n: int, batch: Batch) -> None:
         self._remove_waiting(seq)
@@ -225,11 +244,13 @@ class Scheduler:
                 break
             if seq.tenant in refused:
                 continue
-            claim = self.policy.claim(seq, self.running, self.config.max_batch_size)
+            held = {id(s) for s in self.held}
+            active = [s for s in self.running if id(s) not in held]
+            claim = self.policy.claim(seq, active, self.config.max_batch_size)
             if claim is None:
                 refused.add(seq.tenant)
                 continue
-            full = len(self.running) >= self.config.max_batch_size
+            full = len(active) >= self.config.max_batch_size
             if full and not claim.victims:
                 refused.add(seq.tenant)
                 continue
@@ -246,11 +267,15 @@ class Scheduler:
                 self._free(seq)
                 self.release(seq)
                 continue
-            while victims and (len(self.running) >= self.config.max_batch_size or need > self.alloc.num_free):
+            # the slot: hold a victim (no recompute) unless its blocks are needed too, then preempt it
+            while victims and (self._active() >= self.config.max_batch_size or need > self.alloc.num_free):
                 v = victims.pop(0)
-                self._preempt(v)
+                if need > self.alloc.num_free:
+                    self._preempt(v)
+                else:
+                    self.held.append(v)
                 batch.displaced.append(v)
-            if len(self.running) >= self.config.max_batch_size or not self._grow(seq, n):
+            if self._active() >= self.config.max_batch_size or not self._grow(seq, n):
                 self._free(seq)  # shared prefix blocks freed less than counted: rare, and it waits as before
                 self.release(seq)
                 continue
