@@ -34,6 +34,7 @@ from pathlib import Path
 
 from app.catalog.redis_server import free_port, start_redis
 from app.config.env_patch import EnvPatch
+from app.router.http_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from deploy.processes import (
     boost_priority,
     end_pids,
@@ -217,6 +218,8 @@ class LocalCluster:
                 "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+                # Serve's proxy on this node answers for an ingress replica that died (IngressLossMiddleware).
+                PROXY_CALLBACK_ENV: PROXY_CALLBACK,
             }
         )
         env.update(self.extra_env)

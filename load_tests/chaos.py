@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import dataclasses
 import json
-import os
 import random
 import time
 from collections import Counter
@@ -252,35 +249,10 @@ def inject(stack: LocalStack, fault: str, down_s: float) -> None:
         raise ValueError(f"unknown fault {fault!r}: one of {FAULTS}")
 
 
-@contextlib.contextmanager
-def chaos_stack_setup(ingress_replicas: int = INGRESS_REPLICAS, proxy_middleware: bool = True):
-    """What a LocalStack started inside this block runs beyond its defaults: `ingress_replicas` ingress replicas
-    (StackConfig has no such option, so app.main.build_app is wrapped while the block lasts) and Serve's HTTP
-    proxy wrapped in IngressLossMiddleware (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, inherited by the Ray
-    processes ray.init starts; `proxy_middleware=False` measures the proxy without it). Both are put back on
-    exit."""
-    import app.main
-    from app.router.http_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-
-    build = app.main.build_app
-    saved = os.environ.get(PROXY_CALLBACK_ENV)
-
-    def build_app(cfg):
-        return build(dataclasses.replace(cfg, ingress_replicas=ingress_replicas))
-
-    app.main.build_app = build_app
-    if proxy_middleware:
-        os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
-    else:
-        os.environ.pop(PROXY_CALLBACK_ENV, None)
-    try:
-        yield
-    finally:
-        app.main.build_app = build
-        if saved is None:
-            os.environ.pop(PROXY_CALLBACK_ENV, None)
-        else:
-            os.environ[PROXY_CALLBACK_ENV] = saved
+def chaos_stack(ingress_replicas: int = INGRESS_REPLICAS, proxy_middleware: bool = True, **stack) -> StackConfig:
+    """The stack the chaos run needs: `ingress_replicas` ingress replicas and Serve's proxy wrapped in
+    IngressLossMiddleware (`proxy_middleware=False` measures Serve's proxy as it is)."""
+    return StackConfig(ingress_replicas=ingress_replicas, proxy_middleware=proxy_middleware, **stack)
 
 
 def run_chaos(stack: LocalStack, cfg: ChaosConfig, faults=FAULTS) -> list[Row]:
@@ -337,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     require_offline()
     cfg = ChaosConfig(concurrency=args.concurrency, pre_s=args.pre, down_s=args.down, post_s=args.post,
                       seed=args.seed)  # fmt: skip
-    setup = chaos_stack_setup(args.ingress_replicas, proxy_middleware=not args.no_proxy_middleware)
-    with setup, LocalStack(StackConfig(max_tokens=args.max_tokens)) as stack:
+    stack_cfg = chaos_stack(args.ingress_replicas, not args.no_proxy_middleware, max_tokens=args.max_tokens)
+    with LocalStack(stack_cfg) as stack:
         rows = run_chaos(stack, cfg, tuple(args.faults.split(",")))
     print("\n" + table(rows))
     if args.out:

@@ -49,6 +49,8 @@ class StackConfig:
     heartbeat_ttl_s: float = 3.0
     replica_num_cpus: float = 0.5
     num_cpus: int = 4
+    ingress_replicas: int = 1  # the chaos run uses 2: killing one leaves the other serving
+    proxy_middleware: bool = True  # Serve's proxy wrapped in IngressLossMiddleware (False: Serve's as it is)
 
 
 class RestartableRedis:
@@ -153,6 +155,7 @@ class LocalStack:
         from app.cli.serve import start_serve
         from app.config.app_config import AppConfig
         from app.main import build_app
+        from app.router.http_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
         from loraland import LLMKernel
         from tests.fixtures.models import build_tiny_model
         from tests.fixtures.services import aws_env, make_bucket
@@ -177,7 +180,8 @@ class LocalStack:
         for name, folder in self.folders.items():
             self.oracle.load_adapter(name, folder, version=1)
         worker_env = {**env, "LORALAND_CACHE_DIR": str(self.workdir / "replica-cache"), "OMP_NUM_THREADS": "1",
-                      "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+                      "TOKENIZERS_PARALLELISM": "false",
+                      PROXY_CALLBACK_ENV: PROXY_CALLBACK if self.cfg.proxy_middleware else ""}  # fmt: skip
         self._started = True
         for attempt in range(3):  # on a busy machine the raylet can miss Ray's fixed 30 s start window
             try:
@@ -193,6 +197,7 @@ class LocalStack:
             model=str(self.model_dir),
             served_model_name="tiny-llama",
             replicas=self.cfg.replicas,
+            ingress_replicas=self.cfg.ingress_replicas,
             replica_num_cpus=self.cfg.replica_num_cpus,
             ingress_num_cpus=0.25,
             max_ongoing_requests=48,

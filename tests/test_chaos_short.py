@@ -20,8 +20,8 @@ import json
 
 import pytest
 
-from load_tests.chaos import FAULTS, ChaosConfig, chaos_stack_setup, run_chaos, table
-from load_tests.local_stack import LocalStack, StackConfig, in_offline_namespace
+from load_tests.chaos import FAULTS, ChaosConfig, chaos_stack, run_chaos, table
+from load_tests.local_stack import LocalStack, in_offline_namespace
 
 ray_chaos = [pytest.mark.ray, pytest.mark.timeout(900)]
 # What each fault may answer besides 200s: clean errors by note prefix (status:code). Anything else is a bug.
@@ -35,10 +35,7 @@ def rows(tmp_path_factory):
     if not in_offline_namespace():
         pytest.skip("needs a loopback-only network namespace: ../shared/tools/offline pytest ...")
     cfg = ChaosConfig(concurrency=4, pre_s=2.0, down_s=3.0, post_s=5.0, recovery_timeout_s=90.0)
-    with (
-        chaos_stack_setup(ingress_replicas=2),
-        LocalStack(StackConfig(adapters=8, cold=2), workdir=tmp_path_factory.mktemp("chaos")) as stack,
-    ):
+    with LocalStack(chaos_stack(adapters=8, cold=2), workdir=tmp_path_factory.mktemp("chaos")) as stack:
         out = run_chaos(stack, cfg)
     print("\n" + table(out))
     return {r.fault: r for r in out}

@@ -228,3 +228,26 @@ def test_loraland_serve_arguments():
     )
     # one replica on this machine: it reserves every core, and torch uses as many threads
     assert cfg.replica_num_cpus == max(1.0, float((os.cpu_count() or 1) // 2)) and cfg.threads >= 1
+
+
+def test_every_way_of_starting_ray_wraps_the_proxy(cluster_yaml, monkeypatch):
+    """IngressLossMiddleware only runs where Serve's proxy finds RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH in its
+    environment: `loraland serve`/`demo` (the job's env_vars), the AWS cluster and `ray up` on one machine."""
+    import importlib
+
+    from app.cli.serve import env_for_workers
+    from app.router.http_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV, IngressLossMiddleware
+
+    monkeypatch.delenv(PROXY_CALLBACK_ENV, raising=False)
+    cfg = AppConfig(model="m", redis_url="redis://127.0.0.1:1/0")
+    assert env_for_workers(cfg)[PROXY_CALLBACK_ENV] == PROXY_CALLBACK
+    monkeypatch.setenv(PROXY_CALLBACK_ENV, "")  # an operator's empty value turns it off
+    assert env_for_workers(cfg)[PROXY_CALLBACK_ENV] == ""
+    export = f"export {PROXY_CALLBACK_ENV}={PROXY_CALLBACK}"
+    assert export in " ".join(cluster_yaml["setup_commands"])
+    local = yaml.safe_load((ROOT / "deploy" / "cluster-local.yaml").read_text())
+    for commands in (local["head_start_ray_commands"], local["worker_start_ray_commands"]):
+        assert export in " ".join(commands)
+    module, func = PROXY_CALLBACK.split(":")
+    (middleware,) = getattr(importlib.import_module(module), func)()
+    assert middleware.cls is IngressLossMiddleware

@@ -17,6 +17,7 @@ from typing import Any
 
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
+from app.router.http_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 log = logging.getLogger("loraland.serve")
 
@@ -155,6 +156,9 @@ def env_for_workers(cfg: AppConfig) -> dict[str, str]:
     if cfg.adapter_store and not cfg.adapter_store.startswith(("s3://", "hf://")):
         roots = [r for r in env.get("LORALAND_LOCAL_ROOTS", "").split(":") if r]
         env["LORALAND_LOCAL_ROOTS"] = ":".join([*roots, cfg.adapter_store])
+    # Serve's proxy answers for an ingress replica that died (IngressLossMiddleware; the proxy reads this when it
+    # starts). A value set here wins; an empty one turns the middleware off.
+    env[PROXY_CALLBACK_ENV] = os.environ.get(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
     return env
 
 
