@@ -3,8 +3,8 @@
     python -m load_tests.bench_p0 [--vllm-venv /work/vllm-venv] [--passes 3] [--adapters 0|200] [--json F]
 
 Both engines load once and stay loaded (vLLM in a subprocess from its own venv, waiting between passes), then run
-W in turn: 64 requests x 128 prompt tokens x 64 new tokens, greedy, ignore_eos, all submitted at once, fp32,
-the same token ids for both. vLLM's OpenMP team is bound to as many cores as our torch threads
+W in turn: 64 requests x 128 prompt tokens x 64 new tokens, greedy, ignore_eos, all submitted at once, fp32
+(--dtype bfloat16 on CPUs with AVX512-BF16/AMX), the same token ids for both. vLLM's OpenMP team is bound to as many cores as our torch threads
 (VLLM_CPU_OMP_THREADS_BIND). Prints each pass's output tok/s and the ratio ours/vLLM (issue 13's P0 wants
 >= 1.15; with --adapters N, each request on one of N rank-16 q,v adapters on both sides: P3 wants >= 2.5 against
 vLLM with the same adapters).
@@ -37,7 +37,7 @@ VLLM_WORKER = textwrap.dedent(
     cfg = json.loads(sys.argv[1])
     kw = dict(enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=len(cfg["adapters"])) \\
         if cfg["adapters"] else {}
-    llm = LLM(model=cfg["model"], dtype="float32", max_model_len=1024, max_num_seqs=64,
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=1024, max_num_seqs=64,
               max_num_batched_tokens=4096, **kw)
     from vllm.lora.request import LoRARequest
     loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(cfg["adapters"])]
@@ -61,9 +61,12 @@ VLLM_WORKER = textwrap.dedent(
 
 
 class VllmOffline:
-    def __init__(self, venv: Path, model_dir: Path, prompts, new: int, adapters: list[Path], cpus: str):
+    def __init__(
+        self, venv: Path, model_dir: Path, prompts, new: int, adapters: list[Path], cpus: str, dtype: str
+    ):
         cfg = {
             "model": str(model_dir),
+            "dtype": dtype,
             "prompts": prompts,
             "new": new,
             "adapters": [str(p) for p in adapters],
@@ -112,6 +115,12 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--adapters", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both engines (bfloat16: CPUs with AVX512-BF16/AMX)",
+    )
     a = ap.parse_args()
     model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
     prompts = workload_w(64, 128)
@@ -120,8 +129,8 @@ def main() -> None:
         store = CACHE / "bench-adapters" / "qv-r16"
         adapters = build_bench_adapters(model_dir, store, a.adapters, r=16, targets=("q_proj", "v_proj"))
     threads = torch.get_num_threads()
-    vllm = VllmOffline(a.vllm_venv, model_dir, prompts, 64, adapters, f"0-{threads - 1}")
-    ours = Ours(model_dir, 64, "float32")
+    vllm = VllmOffline(a.vllm_venv, model_dir, prompts, 64, adapters, f"0-{threads - 1}", a.dtype)
+    ours = Ours(model_dir, 64, a.dtype)
     names = []
     if adapters:
         for i, p in enumerate(adapters):
@@ -143,6 +152,7 @@ def main() -> None:
     per_pass = [o / v for o, v in zip(runs["ours"], runs["vllm"])]
     result = {
         "adapters": a.adapters,
+        "dtype": a.dtype,
         "threads": threads,
         "passes": runs,
         "median": med,

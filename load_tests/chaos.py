@@ -249,7 +249,9 @@ def inject(stack: LocalStack, fault: str, down_s: float) -> None:
         raise ValueError(f"unknown fault {fault!r}: one of {FAULTS}")
 
 
-def chaos_stack(ingress_replicas: int = INGRESS_REPLICAS, proxy_middleware: bool = True, **stack) -> StackConfig:
+def chaos_stack(
+    ingress_replicas: int = INGRESS_REPLICAS, proxy_middleware: bool = True, **stack
+) -> StackConfig:
     """The stack the chaos run needs: `ingress_replicas` ingress replicas and Serve's proxy wrapped in
     IngressLossMiddleware (`proxy_middleware=False` measures Serve's proxy as it is)."""
     return StackConfig(ingress_replicas=ingress_replicas, proxy_middleware=proxy_middleware, **stack)

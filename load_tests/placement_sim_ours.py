@@ -66,7 +66,13 @@ class OursPolicy(_Base):
         self.rid = [f"r{r:0{width}d}" for r in range(R)]
         self.index = {rid: r for r, rid in enumerate(self.rid)}
         self.snap = [
-            {"resident": frozenset(), "loading": frozenset(), "free_slots": cfg.device_slots, "running": 0, "at": 0.0}
+            {
+                "resident": frozenset(),
+                "loading": frozenset(),
+                "free_slots": cfg.device_slots,
+                "running": 0,
+                "at": 0.0,
+            }
             for _ in range(R)
         ]
         self.views: list[placement.ReplicaView | None] = [None] * R
