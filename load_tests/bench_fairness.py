@@ -6,9 +6,9 @@ Tenant A floods: a closed loop keeping `--a-concurrency` requests outstanding (s
 holds, so a queue builds: far more than its share). Tenant B sends a steady low rate, `--b-share` of the server's
 saturated request rate, at fixed intervals. Every request: `--prompt-len` random prompt tokens and between
 `--new`/2 and 3*`--new`/2 output tokens (ignore_eos; `--fixed-len`: exactly `--new`, and A's requests then finish
-in lockstep, a batch at a time), TinyLlama-width 2-layer random model (load_tests/models.py). Policies: "vtc",
-"vtc+preempt" (KernelConfig.vtc_preempt: fair claims), "vtc+preempt+noisolate" (claims without the isolated
-prefill step) and "fcfs". Per policy, on one kernel:
+in lockstep, a batch at a time), TinyLlama-width 2-layer random model (load_tests/models.py). Policies: "vtc"
+(the paper's, no claims), "vtc+preempt" (KernelConfig.vtc_preempt: fair claims), "vtc+preempt+isolate" (claims
+whose first prefill step the flooder sits out: VirtualTokenCounter.isolate) and "fcfs". Per policy, on one kernel:
 
   saturated  A alone, closed loop: output tok/s, the server's saturated throughput
   b_alone    B alone at its rate: B's time to first token (TTFT), p50 and p99
@@ -223,8 +223,8 @@ def main() -> None:
             scheduling_policy=policy.split("+")[0],
             vtc_preempt="+preempt" in policy,
         ) as k:
-            if "+noisolate" in policy:
-                k.fairness.isolate = False
+            if "+isolate" in policy:
+                k.fairness.isolate = True
             k.complete([[5, 6, 7]], max_tokens=2, ignore_eos=True)  # warm-up
             rows[policy] = r = asyncio.run(measure(k, a))
             r["preemptions"] = k.engine.scheduler.num_preemptions

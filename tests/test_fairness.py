@@ -214,7 +214,7 @@ def flood_then_light(
 
 
 def test_fair_claim_is_admitted_first_in_an_isolated_step():
-    sim, light = flood_then_light(VirtualTokenCounter(preempt=True))
+    sim, light = flood_then_light(VirtualTokenCounter(preempt=True, isolate=True))
     b = sim.s.schedule()
     # Light runs 0 of its guarantee of 4 (8 slots, two tenants); heavy runs 8: light claims a slot at once, its
     # prefill is first in the budget and the only work of the step (heavy sits it out, keeping its KV).
@@ -231,10 +231,14 @@ def test_fair_claim_is_admitted_first_in_an_isolated_step():
         sim.step()
         assert len(sim.s.running) - len(sim.s.held) <= 8
     assert victim.num_preemptions == 0 and victim in sim.s.running
-    # Without isolation: the same claim, in a step that carries heavy's decodes too.
-    sim, light = flood_then_light(VirtualTokenCounter(preempt=True, isolate=False))
-    b = sim.s.schedule()
-    assert b.items[0].seq is light and len(b.items) == 8 and not b.sitting_out
+    # Without isolation (the default: measured, sitting out costs the flooder a whole step per claim and buys B
+    # nothing): the same claim, first in the budget, in a step that carries heavy's seven decodes too.
+    for vtc in (VirtualTokenCounter(preempt=True, isolate=False), VirtualTokenCounter(preempt=True)):
+        sim, light = flood_then_light(vtc)
+        b = sim.s.schedule()
+        assert b.items[0].seq is light and b.items[0].num_tokens == 8 and not b.sitting_out
+        assert [it.seq.tenant for it in b.items[1:]] == ["heavy"] * 7 and len(sim.s.held) == 1
+        assert sim.s.num_preemptions == 0
 
 
 def test_fair_claim_frees_kv_from_the_most_served_tenant_only():
@@ -283,10 +287,14 @@ def test_out_of_kv_preempts_the_most_served_tenants_newest(policy):
         assert preempted and light.num_preemptions == 0 and all(q.tenant == "heavy" for q in preempted)
 
 
-def test_fair_claims_do_not_starve_the_flooder_and_keep_the_bound():
-    # Light sends a new short request every step, as if it never stopped: every claim isolates a step, yet heavy
-    # still progresses (a claim charges light's prompt; once light is ahead of heavy, it claims no more).
-    sim = Sim(VirtualTokenCounter(preempt=True), num_blocks=256, bs=4, max_batch=8, budget=64)
+@pytest.mark.parametrize("isolate", [True, False])
+def test_fair_claims_do_not_starve_the_flooder_and_keep_the_bound(isolate):
+    # Light sends a new short request every step, as if it never stopped: with isolation every claim isolates a
+    # step, yet heavy still progresses (a claim charges light's prompt; once light is ahead of heavy, it claims no
+    # more).
+    sim = Sim(
+        VirtualTokenCounter(preempt=True, isolate=isolate), num_blocks=256, bs=4, max_batch=8, budget=64
+    )
     rng = random.Random(3)
     for _ in range(100):
         sim.add("heavy", 8, 32)
@@ -299,6 +307,7 @@ def test_fair_claims_do_not_starve_the_flooder_and_keep_the_bound():
         heavy_service.append(sim.service["heavy"])
     isolated = sum(1 for i in range(1, 400) if heavy_service[i] == heavy_service[i - 1])
     assert isolated < 0.5 * 400, isolated  # heavy sat out some steps, not most
+    assert isolate or isolated == 0  # without isolation heavy decodes in every step, claims or not
     assert all(heavy_service[i + 20] > heavy_service[i] for i in range(0, 380))  # never stalled for long
     bound = 2 * max(W_PROMPT * 8, W_OUTPUT * 256 * 4)
     assert abs(sim.service["heavy"] - sim.service["light"]) <= bound
@@ -437,7 +446,7 @@ def test_fcfs_ignores_tenants():
 
 
 def test_policy_and_weight_validation():
-    assert KernelConfig().scheduling_policy == "vtc" and KernelConfig().vtc_preempt is False
+    assert KernelConfig().scheduling_policy == "vtc" and KernelConfig().vtc_preempt is True
     with pytest.raises(ValueError, match="vtc_preempt"):
         KernelConfig(vtc_preempt="yes")
     with pytest.raises(ValueError, match="vtc_output_weight"):
@@ -459,6 +468,7 @@ def test_kernel_charges_the_tenant_it_is_given(llama_dir):
     from loraland import LLMKernel
 
     with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=64) as k:
+        assert k.fairness.preempt and not k.fairness.isolate  # the defaults: fair claims, no isolated step
         k.set_tenant_weights({"gold": 2.0})
         k.complete([[5, 6, 7, 8]], max_tokens=3, ignore_eos=True, tenant="gold")
         k.complete([[5, 6, 7, 8]], max_tokens=3, ignore_eos=True)
@@ -466,6 +476,8 @@ def test_kernel_charges_the_tenant_it_is_given(llama_dir):
         # started level with gold, the last tenant to leave it.
         gold = (4 + 2 * 3) / 2
         assert k.fairness.counters == {"gold": gold, None: gold + 4 + 2 * 3}
+    with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=64, vtc_preempt=False) as k:
+        assert not k.fairness.preempt  # the paper's VTC, as it was before claims
     with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=64, scheduling_policy="fcfs") as k:
         assert k.complete([[5, 6, 7]], max_tokens=2, tenant="gold")[0].token_ids
 

@@ -35,11 +35,13 @@ whose counter is not above theirs, claims a slot from the tenants that run more 
   own guarantee: held (the scheduler keeps them and their KV, unscheduled until a slot frees: no recompute) when
   the KV cache has room, preempted by recompute when their blocks are needed; if that cannot make room, it waits;
 - budget: its first prefill chunk is scheduled first, before any running sequence, in the step's token budget;
-- isolation (`isolate`, on with preempt): the step that carries that first chunk carries no token of the yielders
-  (their running sequences sit out one step, keeping their KV; none of them is admitted in it), so the claimant's
-  time to first token is that of its own prefill, not of the flooder's batch. A step's cost is close to additive
-  in its tokens (the decode tokens cost the same one step later), so this costs the yielders one step's fixed cost
-  per claim, not their throughput.
+- isolation (`isolate`, off by default): the step that carries that first chunk carries no token of the yielders
+  (their running sequences sit out one step, keeping their KV; none of them is admitted in it), so that step is
+  the claimant's prefill alone. Off, because measured it buys nothing and costs throughput: a step is not additive
+  in its tokens when the weights are streamed once per step (memory-bound decode), so the yielders' decode tokens
+  ride in the claimant's prefill step almost free, and sitting them out costs one whole step per claim (on 2 CPU
+  cores, load_tests/fairness.md: flood throughput 0.83-1.00 of saturated with it, 0.98-1.14 without, B's TTFT
+  p99 no better).
 A slot so moves only from a tenant above its guarantee to one below it, never back while both stay on their side:
 no thrashing. The counter condition keeps claims in VTC's direction (a claimant is never ahead of whom it takes
 from), so the bound still holds, and a yielder is never starved: a claim charges the claimant's prompt, and once
@@ -135,7 +137,7 @@ class VirtualTokenCounter:
         w_output: float = W_OUTPUT,
         weights: Mapping[str | None, float] | None = None,
         preempt: bool = False,
-        isolate: bool = True,
+        isolate: bool = False,
     ):
         for name, w in (("w_prompt", w_prompt), ("w_output", w_output)):
             if not _positive(w):
@@ -263,7 +265,7 @@ def make_policy(
     w_prompt: float = W_PROMPT,
     w_output: float = W_OUTPUT,
     preempt: bool = False,
-    isolate: bool = True,
+    isolate: bool = False,
 ) -> FirstComeFirstServed | VirtualTokenCounter:
     if name == "vtc":
         return VirtualTokenCounter(w_prompt, w_output, preempt=preempt, isolate=isolate)
