@@ -48,7 +48,7 @@ class KernelConfig:
     # in the step's budget, holding (KV kept) or preempting (recompute, when KV is short) sequences of tenants above
     # their share when the batch or the KV cache is full. Its TTFT no longer waits for a flooder's requests to
     # finish. On by default: with one tenant, or nobody above its share, admission is the paper's; under a flood
-    # the light tenant's TTFT p99 is 1.0-1.5x its TTFT alone (the paper's VTC: 3.4-6.3x) at the same throughput
+    # the light tenant's TTFT p99 is 1.0-1.7x its TTFT alone (the paper's VTC: 3.4-6.3x) at the same throughput
     # (load_tests/fairness.md). Only with scheduling_policy "vtc".
     vtc_preempt: bool = True
 
