@@ -1,7 +1,8 @@
 """s3://bucket/prefix: adapters in S3 or an S3-compatible store, fetched into the disk cache; and uploads to it.
 
 A fetch the catalog describes (`files`: {name: sha256}) is content-addressed in the cache, so a hit needs no
-network at all and a cached adapter survives S3 being down; each file is hashed while it downloads. A fetch by
+network at all and a cached adapter survives S3 being down; an adapter's files download in parallel, each hashed
+while it downloads (no second read, and no response CRC over the same bytes). A fetch by
 bare URI lists the prefix and is cached by URI, refreshed when the objects' ETags change. The boto3 calls and
 their error messages are in s3_api.py.
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from app.catalog.records import manifest_sha256
@@ -105,16 +108,42 @@ def fetch(
         total=total, unit="B", unit_scale=True, desc=f"download {uri}", disable=not progress, file=sys.stderr
     )
     with cache.staging() as tmp, bar:
-        left, got, etags = max_bytes, {}, {}
-        for rel, obj_key in sorted(wanted.items()):
-            got[rel], n, etags[rel] = s3_api.download(
-                client, bucket, obj_key, tmp / rel, limit=left, cap=max_bytes, uri=uri, progress=bar.update
-            )
-            left -= n
+        budget, rels = s3_api.Budget(max_bytes), sorted(wanted)
+
+        def one(rel: str) -> tuple[str, int, str]:
+            return s3_api.download(
+                client, bucket, wanted[rel], tmp / rel, budget=budget, uri=uri, progress=bar.update,
+                checksum=not files,
+            )  # fmt: skip
+
+        # Every file at once: the adapter's latency is its largest file's, not the sum of round trips.
+        futures = [_pool().submit(one, rel) for rel in rels]
+        got, etags, failure = {}, {}, None
+        for rel, fut in zip(rels, futures):
+            try:
+                got[rel], _, etags[rel] = fut.result()
+            except BaseException as e:  # wait for the others (they write into tmp), then raise the first
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        for rel in rels:
             if files and got[rel] != files[rel]:  # hashed while downloading: no second read
                 raise mismatch(uri, rel, got[rel], files[rel])
-        meta = {"uri": uri, "files": got, "size": max_bytes - left, "etags": etags}
+        meta = {"uri": uri, "files": got, "size": budget.used(), "etags": etags}
         return cache.commit(key, tmp, meta, replace=not files)
+
+
+_download_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads that download an adapter's files in parallel (boto3 releases the GIL while it waits)."""
+    global _download_pool
+    with _pool_lock:
+        if _download_pool is None:
+            _download_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="loraland-s3-get")
+    return _download_pool
 
 
 def upload(

@@ -1,5 +1,5 @@
 """The boto3 calls behind the S3 source (s3.py): one cached client per S3Settings, listing, download with
-hashing, upload (multipart when large), and the one place boto3 failures become AdapterUnavailable with a
+hashing (under a byte Budget that parallel downloads share), upload (multipart when large), and the one place boto3 failures become AdapterUnavailable with a
 message saying what to check.
 
 Endpoint, region and credentials come from S3Settings (app/config/settings.py, read from AWS_*); what it leaves
@@ -78,8 +78,15 @@ def _new_client(settings: S3Settings) -> Any:
     # host (virtual-hosted style would send it to <bucket>.<endpoint host>). botocore never follows an HTTP
     # redirect's Location; its S3 region redirect re-resolves the same endpoint with another signing region.
     s3_cfg = {"addressing_style": "path"} if settings.endpoint_url else None
+    # Response checksums only when a download asks for them (download's `checksum`): a fetch the catalog
+    # describes checks each file's sha256 as it arrives, and a CRC over the same bytes would be a second pass.
     cfg = Config(
-        retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60, s3=s3_cfg
+        retries={"max_attempts": 3, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=60,
+        s3=s3_cfg,
+        max_pool_connections=16,
+        response_checksum_validation="when_required",
     )
     return session.client("s3", endpoint_url=settings.endpoint_url, config=cfg)
 
@@ -140,24 +147,45 @@ def list_objects(s3: Any, bucket: str, prefix: str, uri: str) -> dict[str, S3Obj
     return out
 
 
+class Budget:
+    """The bytes an adapter's downloads may still write (its `cap`), shared by downloads running at once."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.left = cap, cap
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        """Spend n bytes; False (nothing spent) when fewer are left."""
+        with self._lock:
+            if n > self.left:
+                return False
+            self.left -= n
+            return True
+
+    def used(self) -> int:
+        return self.cap - self.left
+
+
 def download(
     s3: Any,
     bucket: str,
     key: str,
     dest: Path,
     *,
-    limit: int,
-    cap: int,
+    budget: Budget,
     uri: str,
     progress: Callable[[int], None] | None = None,
+    checksum: bool = True,
 ) -> tuple[str, int, str]:
-    """Stream one object to dest, hashing as it goes; refuses to write more than `limit` bytes (what is left of
-    the adapter's `cap`); `progress(n)` after each chunk of n bytes. -> (sha256, bytes, etag)."""
+    """Stream one object to dest, hashing as it goes; refuses to write more than what is left of `budget` (the
+    adapter's cap, shared with the adapter's other files); `progress(n)` after each chunk of n bytes.
+    `checksum`: have botocore check S3's own response checksum too (a caller that checks the sha256 against
+    a recorded one passes False). -> (sha256, bytes, etag)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    h, n = hashlib.sha256(), 0
+    h, n, cap = hashlib.sha256(), 0, budget.cap
     try:
-        obj = s3.get_object(Bucket=bucket, Key=key)
-        if int(obj.get("ContentLength") or 0) > limit:
+        obj = s3.get_object(Bucket=bucket, Key=key, **({"ChecksumMode": "ENABLED"} if checksum else {}))
+        if int(obj.get("ContentLength") or 0) > budget.left:
             raise InvalidAdapter(
                 f"{uri}: adapter is over the {cap}-byte limit (LORALAND_MAX_ADAPTER_BYTES) with {key} "
                 f"({obj['ContentLength']} bytes): refusing to download it"
@@ -166,7 +194,7 @@ def download(
         with open(dest, "wb") as f:
             while chunk := body.read(_CHUNK):
                 n += len(chunk)
-                if n > limit:
+                if not budget.take(len(chunk)):
                     raise InvalidAdapter(
                         f"{uri}: adapter is over the {cap}-byte limit (LORALAND_MAX_ADAPTER_BYTES) with {key}: "
                         "refusing to download it"

@@ -237,22 +237,31 @@ def _read_tensors(
                     f"tensor {key} has shape {got}, expected {want} (r={r}, {mod} is "
                     f"{n_in}->{n_out}): the adapter does not fit this base model or its r is wrong",
                 )
-            t = _float_tensor(folder, f, key)
             # Same values, column-major storage: the device pools hold A^T and B^T, so installing an adapter
-            # (on the engine's step thread) is then a plain copy; the transpose is paid here, off that thread.
-            pair.append(t.t().contiguous().t())
+            # (on the engine's step thread) is then a plain copy; the transpose is paid here, off that thread,
+            # fused with the finiteness check into the one copy out of the file.
+            pair.append(_float_tensor(folder, f, key, column_major=True))
         tensors[(lay, mod)] = (pair[0], pair[1])
     return tensors, magnitude
 
 
-def _float_tensor(folder: Path, f: Any, key: str) -> Any:
+def _float_tensor(folder: Path, f: Any, key: str, *, column_major: bool = False) -> Any:
+    """Tensor `key` as fp32, refused unless floating point and finite; `column_major`: a 2-D tensor with the
+    same values stored transposed (t().contiguous().t()). NumPy does the check and the copy: one thread, no
+    thread-pool hand-offs per tensor, which cost more than the work on tensors of a few hundred KB."""
+    import numpy as np
     import torch
 
     t = f.get_tensor(key)
     if not t.is_floating_point():
         raise refuse(folder, f"tensor {key} has dtype {t.dtype}: LoRA weights must be floating point")
     t = t.to(torch.float32)
-    if not torch.isfinite(t).all():
+    a = t.numpy()
+    if column_major and a.ndim == 2:
+        a = np.ascontiguousarray(a.T)  # the copy; the check below reads it while it is in cache
+        t = torch.from_numpy(a).t()
+    # NaN propagates through min and max and inf is one of them: both finite exactly when every value is.
+    if a.size and not (np.isfinite(a.min()) and np.isfinite(a.max())):
         raise refuse(folder, f"tensor {key} holds NaN or inf values: the adapter is corrupt")
     return t
 

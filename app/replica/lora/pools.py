@@ -193,8 +193,8 @@ class Pool:
             for p in gw.parts:
                 a, b = lw.tensors[(layer, p.module)]
                 gw.A[slot, :, p.r0 : p.r1].copy_(a.t())
-                if p.base_scale is None:
-                    p.B[slot].copy_((b * lw.scale).t())
+                if p.base_scale is None:  # scaled straight into the slot: one pass, no temporary
+                    torch.mul(b.t(), lw.scale, out=p.B[slot])
                 else:  # DoRA: f * s * B (f per output row of B), and f for the base output's rescale
                     f = lw.dora_scale[(layer, p.module)]
                     p.B[slot].copy_((b * (lw.scale * f)[:, None]).t())
@@ -202,7 +202,7 @@ class Pool:
         for m, gw in self.vocab_groups.items():
             (p,), (a, b) = gw.parts, lw.vocab_tensors[m]
             gw.A[slot].copy_(a.t())
-            p.B[slot].copy_((b * lw.scale).t())
+            torch.mul(b.t(), lw.scale, out=p.B[slot])
         for m, held in self.copies.items():
             held[slot] = lw.vocab_copies[m].to(device=self.device, dtype=self.dtype, copy=True)
         self.used.add(slot)
