@@ -14,10 +14,10 @@ caller must not choose where the server connects. With a configured endpoint, re
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -133,17 +133,10 @@ def fetch(
         return cache.commit(key, tmp, meta, replace=not files)
 
 
-_download_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
+@functools.cache
 def _pool() -> ThreadPoolExecutor:
     """The threads that download an adapter's files in parallel (boto3 releases the GIL while it waits)."""
-    global _download_pool
-    with _pool_lock:
-        if _download_pool is None:
-            _download_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="loraland-s3-get")
-    return _download_pool
+    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="loraland-s3-get")
 
 
 def upload(

@@ -1,6 +1,6 @@
 """The boto3 calls behind the S3 source (s3.py): one cached client per S3Settings, listing, download with
-hashing (under a byte Budget that parallel downloads share), upload (multipart when large), and the one place boto3 failures become AdapterUnavailable with a
-message saying what to check.
+hashing (under a byte Budget that parallel downloads share), upload (multipart when large), and the one place
+boto3 failures become AdapterUnavailable with a message saying what to check.
 
 Endpoint, region and credentials come from S3Settings (app/config/settings.py, read from AWS_*); what it leaves
 unset is left to boto3's own chain (profiles, instance roles), so MinIO, R2 or moto need no setting of ours."""
