@@ -8,6 +8,9 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+from ray.serve._private.request_router.request_router import RequestRouter
+
 from app.router import request_router
 from app.router.assignments import STATS_LAG_S
 from app.router.request_router import AdapterAffinityRouter
@@ -29,7 +32,9 @@ def router_over(replicas: list[FakeReplica]) -> AdapterAffinityRouter:
     """The router without Ray's constructor: the state choose_replicas and on_request_routed read."""
     r = AdapterAffinityRouter.__new__(AdapterAffinityRouter)
     r._replicas = {x.replica_id: x for x in replicas}
-    r._replica_queue_len_cache = {}
+    r._replica_queue_len_cache = ReplicaQueueLengthCache()
+    r._use_replica_queue_len_cache = True
+    r._lazily_fetched_loop = SimpleNamespace(create_task=lambda coro: coro.close())  # Ray's background probes
     r.initialize_state()
     return r
 
@@ -78,7 +83,7 @@ def test_views_are_built_once_per_stats_object(monkeypatch):
     assert choose(router, "y@1")[0] == ["r1"]
     assert len(built) == 6
     # a new in-flight count updates the view (the router's own count is what balances load)
-    router._replica_queue_len_cache[reps[1].replica_id] = 48
+    router._replica_queue_len_cache.update(reps[1].replica_id, 48)
     assert choose(router, "y@1")[0] != ["r1"]  # full: no longer first
     assert len(built) == 6
     # replicas that left without a death notice do not pile up in the cache
@@ -107,3 +112,50 @@ def test_one_decision_at_1000_replicas_is_cheap_once_stats_are_cached():
     per_call = (time.perf_counter() - t0) / 10
     print(f"\nchoose_replicas at 1,000 replicas: {per_call * 1e3:.1f} ms")
     assert per_call < 0.1  # generous: 2 loaded cores; ~5 ms quiet
+
+
+def ray_picks(router, model_id: str) -> str:
+    """The replica Ray's own selection takes from the first tier (its cache first; nothing to probe here)."""
+    tiers = asyncio.run(router.choose_replicas(list(router._replicas.values()), pending(model_id)))
+    chosen = asyncio.run(RequestRouter._select_from_candidate_replicas(router, tiers[0], 0))
+    return chosen.replica_id.unique_id
+
+
+def test_an_idle_replica_missing_from_rays_cache_is_chosen_from_its_fresh_stats():
+    """Ray takes the lowest *cached* queue length and probes uncached replicas only in the background (0.1 s
+    deadline, often missed on a busy machine): a busy cached replica would win over an idle uncached one
+    forever. The router fills the idle one's entry from its stats, so Ray's own comparison picks it."""
+    now = time.time()
+    reps = replicas(2, at=now)
+    reps[0].routing_stats.update(running=1)
+    router = router_over(reps)
+    # a stream in flight there, sent by this router
+    router.replica_queue_len_cache.update(reps[0].replica_id, 1)
+    assert ray_picks(router, "") == "r1"
+    assert router.replica_queue_len_cache.get(reps[1].replica_id) == 0
+    # Stats that say it is busy are believed too: two running + one queued there, one request at r0.
+    reps2 = replicas(2, at=now)
+    reps2[1].routing_stats.update(running=2, queue_len=1)
+    router2 = router_over(reps2)
+    router2.replica_queue_len_cache.update(reps2[0].replica_id, 1)
+    assert ray_picks(router2, "") == "r0"
+    assert router2.replica_queue_len_cache.get(reps2[1].replica_id) == 3
+
+
+def test_stale_stats_and_unavailable_replicas_are_left_to_rays_probes():
+    now = time.time()
+    reps = replicas(3)
+    reps[0].routing_stats["at"] = now - request_router.STATS_SEED_MAX_AGE_S - 1  # stats stopped coming
+    reps[1].routing_stats["at"] = now  # fresh, but Ray just found the actor unavailable
+    reps[2].routing_stats["at"] = now
+    router = router_over(reps)
+    router._unavailable_at[reps[1].replica_id.unique_id] = now
+    choose(router, "")
+    cache = router.replica_queue_len_cache
+    assert cache.get(reps[0].replica_id) is None
+    assert cache.get(reps[1].replica_id) is None
+    assert cache.get(reps[2].replica_id) == 0
+    # once the hold is over, fresh stats seed it again
+    router._unavailable_at[reps[1].replica_id.unique_id] = now - request_router.UNAVAILABLE_HOLD_S - 1
+    choose(router, "")
+    assert cache.get(reps[1].replica_id) == 0

@@ -377,8 +377,9 @@ def test_poison_requests_fail_alone_on_two_replicas(cluster):
                         break
                 return replies, min(first_reply)
 
-            # Streams one after the other until both replicas run one. Where a stream lands is Ray's choice (from
-            # its queue-length cache, which on a busy machine may not know the idle replica yet), not this test's.
+            # Streams one after the other until both replicas run one: the router must send the second to the
+            # idle replica (Ray's queue-length cache alone kept choosing the busy one under CI load; the router
+            # now fills the idle one's entry from its stats: tests/test_request_router.py).
             tasks = []
             for _ in range(6):
                 started = asyncio.Event()
@@ -392,13 +393,12 @@ def test_poison_requests_fail_alone_on_two_replicas(cluster):
 
     streams, replies, poisoned_at = asyncio.run(go())
     b_replicas = {rid for _, rid, _ in streams}
-    print(f"\nbeta streams on {sorted(b_replicas)}")
+    print(f"\n{len(streams)} beta streams on {sorted(b_replicas)}")
+    assert len(b_replicas - {""}) == 2, [rid for _, rid, _ in streams]
     for text, _, ended in streams:
         assert text == alone
         assert ended > poisoned_at  # the poisons were answered while both beta streams were running
     poisoned_on = set()
-    # Both replicas usually run a beta stream; under the full suite's load Ray has put all six on one replica
-    # (its queue-length cache kept choosing it: see the stop-24 note), so that is printed, not asserted.
     for (name, _, _), r in replies.items():
         body = r.json()
         poisoned_on.add(r.headers.get("x-loraland-replica", ""))
@@ -415,10 +415,9 @@ def test_poison_requests_fail_alone_on_two_replicas(cluster):
         else:
             assert (r.status_code, body["error"]["code"]) == (400, "invalid_adapter"), body
             assert body["error"]["message"].startswith("adapter 'huge@1' produced non-finite logits"), body
-    # The poisons met beta streams (both replicas run one; which replica each poison lands on is Ray's routing,
-    # which on a busy machine may keep choosing one of them: the rounds above try to reach both).
+    # The poisons met the beta stream on each replica.
     print(f"poisons answered by {sorted(poisoned_on - {''})}")
-    assert b_replicas & poisoned_on, (b_replicas, poisoned_on)
+    assert b_replicas <= poisoned_on, (b_replicas, poisoned_on)
 
 
 def test_killed_replica_fails_clearly_and_comes_back(cluster):

@@ -6,6 +6,13 @@ report what they hold through `record_routing_stats()`; those stats reach the ro
 of requests for a cold adapter then lands on the one replica that is already loading it instead of
 making every replica fetch it. That memory also says which adapters are warm (routed within it): placement.py
 bounds their holders' load by the cluster's mean, and keeps other adapters on their holders until full.
+
+Ray picks within a tier by its queue-length cache: when any candidate is cached it takes the lowest cached one
+and only probes the others in the background, with a 0.1 s deadline that a busy 2-core machine often misses. So
+an idle replica that has not been sent anything for the cache's 10 s stays uncached and is never chosen while a
+busy one has room (a clean-clone CI run saw six long streams in a row go to one replica beside an idle one).
+The router therefore fills a missing cache entry from the replica's own recent stats (its running + queued
+sequences), which Ray then compares like any probe result.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ logger = logging.getLogger("ray.serve")
 
 # How long a "just sent there" memory counts without the replica's stats confirming it.
 ASSIGNMENT_TTL_S = 30.0
+# A replica's stats at most this old stand in for a missing queue-length cache entry (stats come every
+# routing_stats_period_s, 1 s by default, through the controller's long poll, which lags on a busy machine).
+STATS_SEED_MAX_AGE_S = 5.0
+# After Ray reports a replica unavailable, it is left to Ray's own probes for this long (no stats seeding).
+UNAVAILABLE_HOLD_S = 10.0
 
 
 def adapters_of(model_id: str) -> list[str]:
@@ -51,11 +63,29 @@ class AdapterAffinityRouter(RequestRouter):
         # period, most replicas' counts not at all between two requests; building every view per request cost
         # ~30 ms at 1,000 replicas (tests/test_request_router.py).
         self._views: dict[str, tuple[object, int, ReplicaView]] = {}
+        self._unavailable_at: dict[str, float] = {}  # replica unique id -> when Ray last found it unavailable
 
     def _state_ready(self) -> None:
         # initialize_state is only called when request_router_kwargs are given; be safe either way.
         if not hasattr(self, "_policy"):
             self.initialize_state()
+
+    def _queue_len(self, r: RunningReplica, now: float) -> int:
+        """Requests in flight at `r`: Ray's cached count, else (filling the cache) the count in its fresh stats."""
+        cache = self.replica_queue_len_cache
+        known = cache.get(r.replica_id)
+        if known is not None:
+            return known
+        stats = r.routing_stats or {}
+        at = stats.get("at")
+        uid = r.replica_id.unique_id
+        if at is None or now - at > STATS_SEED_MAX_AGE_S:
+            return 0  # no recent stats: Ray probes it
+        if now - self._unavailable_at.get(uid, now - UNAVAILABLE_HOLD_S) < UNAVAILABLE_HOLD_S:
+            return 0  # Ray found it unavailable lately: leave it to Ray's probes
+        n = int(stats.get("running") or 0) + int(stats.get("queue_len") or 0)
+        cache.update(r.replica_id, n)
+        return n
 
     def _recent_placement(self, adapters: list[str]) -> dict[str, list[str]]:
         """Where this router sent each of `adapters` within its memory, live replicas only (the warm ones)."""
@@ -89,11 +119,13 @@ class AdapterAffinityRouter(RequestRouter):
         by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
         if len(self._views) > 2 * len(by_uid) + 8:  # replicas gone without a death notice (scaled down)
             self._views = {uid: v for uid, v in self._views.items() if uid in by_uid}
+            self._unavailable_at = {u: t for u, t in self._unavailable_at.items() if u in by_uid}
         views = []
+        now = time.time()
         for r in candidate_replicas:
             uid, stats = r.replica_id.unique_id, r.routing_stats
             # The router's own count of requests in flight is fresher than the replica's last stats.
-            ongoing = self._replica_queue_len_cache.get(r.replica_id) or 0
+            ongoing = self._queue_len(r, now)
             cached = self._views.get(uid)
             if cached is None or cached[0] is not stats:
                 view = view_from_stats(uid, stats, ongoing=ongoing, max_ongoing=r.max_ongoing_requests)
@@ -122,8 +154,14 @@ class AdapterAffinityRouter(RequestRouter):
         for adapter in needed:
             self._memory.record(adapter, replica_id.unique_id, now)
 
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        self._state_ready()
+        self._unavailable_at[replica_id.unique_id] = time.time()
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._state_ready()
         self._memory.forget_replica(replica_id.unique_id)
         self._views.pop(replica_id.unique_id, None)
+        self._unavailable_at.pop(replica_id.unique_id, None)
