@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -103,9 +103,13 @@ def vllm_serve(
     dtype: str = "float32",
     cpus: str = "0-1",
     port: int | None = None,
+    max_cpu_loras: int | None = None,
+    max_model_len: int = 1024,
+    extra: Sequence[str] = (),
 ) -> Iterator[str]:
     """vLLM's CPU build (its own venv) serving model_dir as `base`, with `adapters` as LoRA modules; yields its
-    base URL. cpus: the cores its OpenMP team is bound to (VLLM_CPU_OMP_THREADS_BIND), i.e. its thread count."""
+    base URL. cpus: the cores its OpenMP team is bound to (VLLM_CPU_OMP_THREADS_BIND), i.e. its thread count.
+    max_cpu_loras: vLLM's host LRU of adapters (default: all of them); extra: more server arguments."""
     port = port or free_port()
     cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
     cmd += [
@@ -118,10 +122,16 @@ def vllm_serve(
         "--port",
         str(port),
     ]
-    cmd += ["--dtype", dtype, "--max-model-len", "1024"]
+    cmd += ["--dtype", dtype, "--max-model-len", str(max_model_len), *extra]
     if adapters:
         rank = max(json.loads((p / "adapter_config.json").read_text())["r"] for p in adapters.values())
-        cmd += ["--enable-lora", "--max-loras", str(max_loras), "--max-cpu-loras", str(len(adapters))]
+        cmd += [
+            "--enable-lora",
+            "--max-loras",
+            str(max_loras),
+            "--max-cpu-loras",
+            str(max_cpu_loras or len(adapters)),
+        ]
         cmd += ["--max-lora-rank", str(rank), "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     env = {
         **os.environ,

@@ -1,0 +1,368 @@
+"""Workload W2 (issue 13, P8): realistic traffic over HTTP, driven by vLLM's own benchmark client.
+
+    python -m load_tests.bench_w2 [--out DIR] [--rates 0.3,0.6,1.2] [--window-s 75] [--servers ours,vllm]
+                                  [--vllm-venv DIR] [--dtype bfloat16] [--adapters 1000]
+
+Prompt lengths log-normal (median 200, sigma 0.8, clipped to 16..1024 tokens), output lengths uniform 16..512
+(`ignore_eos`, so exactly that many), Poisson arrivals at each rate, every request on an adapter drawn zipf(1.0)
+from 1,000 PEFT adapters of ranks 8/16/64 on q,v, q,k,v,o or all seven projections (MIXES). The client is
+`vllm.benchmarks.serve` from the vLLM venv (custom JSONL dataset; the zipf picks go in as `--lora-modules` in
+request order with `--lora-assignment round-robin`). Both servers get the same requests, the same dtype, 64
+running sequences, 4096 batched tokens, 64 adapter slots and a 128-adapter host cache.
+
+Each (server, rate) run sends rate x window-s requests (at least --min-requests) after an untimed warm-up of 8;
+the rate is "sustained" when the queue does not grow: the median TTFT of the last third of the requests is
+within 2x (+1 s) of the first third's. Writes DIR/w2.json (a summary per run), DIR/w2.png (throughput and
+p99 TTFT vs rate), and the client's raw JSON under DIR/w2-raw/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+VLLM_CLIENT = (
+    "import argparse, sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "p = argparse.ArgumentParser()\n"
+    "add_cli_args(p)\n"
+    "main(p.parse_args(sys.argv[1:]))\n"
+)
+# (rank, target modules, how many of the 1,000): mostly small q,v adapters, a tail of wide and deep ones.
+QV = ("q_proj", "v_proj")
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL7 = QKVO + ("gate_proj", "up_proj", "down_proj")
+MIXES: tuple[tuple[int, tuple[str, ...], int], ...] = (
+    (8, QV, 250),
+    (16, QV, 250),
+    (64, QV, 100),
+    (8, QKVO, 100),
+    (16, QKVO, 100),
+    (64, QKVO, 50),
+    (8, ALL7, 60),
+    (16, ALL7, 60),
+    (64, ALL7, 30),
+)
+ENGINE = {"max_seqs": 64, "batched_tokens": 4096, "slots": 64, "host_cache": 128}
+
+
+@dataclass(frozen=True)
+class W2Config:
+    num_requests: int
+    seed: int = 0
+    prompt_median: int = 200
+    prompt_sigma: float = 0.8
+    prompt_min: int = 16
+    prompt_max: int = 1024
+    output_min: int = 16
+    output_max: int = 512
+    zipf_s: float = 1.0
+    vocab: int = 32000
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or not 1 <= self.prompt_min <= self.prompt_median <= self.prompt_max:
+            raise ValueError(f"bad W2 config {self}: need num_requests >= 1 and min <= median <= max")
+        if not 1 <= self.output_min <= self.output_max:
+            raise ValueError(f"bad W2 config {self}: need 1 <= output_min <= output_max")
+
+
+@dataclass(frozen=True)
+class W2Request:
+    prompt_len: int
+    output_len: int
+    adapter: str
+
+
+def adapter_mix(mixes=MIXES) -> list[tuple[str, int, tuple[str, ...]]]:
+    """(name, rank, targets) for every adapter, grouped by mix: w2r8qv0.., w2r64all0.."""
+    tag = {QV: "qv", QKVO: "qkvo", ALL7: "all"}
+    return [(f"w2r{r}{tag[t]}{i}", r, t) for r, t, n in mixes for i in range(n)]
+
+
+def popularity_order(names: list[str], seed: int = 0) -> list[str]:
+    """The adapters from most to least popular: a seeded shuffle, so the hot ones are a mix of ranks."""
+    order = list(names)
+    random.Random(f"w2-popularity-{seed}").shuffle(order)
+    return order
+
+
+def zipf_weights(n: int, s: float = 1.0) -> list[float]:
+    return [1.0 / (k**s) for k in range(1, n + 1)]
+
+
+def lognormal_len(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return min(hi, max(lo, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
+
+
+def make_requests(cfg: W2Config, ranked_adapters: list[str]) -> list[W2Request]:
+    """cfg.num_requests requests: log-normal prompts, uniform outputs, zipf adapters (ranked_adapters[0] hottest)."""
+    rng = random.Random(f"w2-{cfg.seed}")
+    picks = rng.choices(
+        ranked_adapters, weights=zipf_weights(len(ranked_adapters), cfg.zipf_s), k=cfg.num_requests
+    )
+    return [
+        W2Request(
+            lognormal_len(rng, cfg.prompt_median, cfg.prompt_sigma, cfg.prompt_min, cfg.prompt_max),
+            rng.randint(cfg.output_min, cfg.output_max),
+            name,
+        )
+        for name in picks
+    ]
+
+
+def prompt_text(n: int, rng: random.Random, vocab: int = 32000) -> str:
+    """n words of the bench model's word-level vocabulary (w3..w31999): exactly n tokens, no BOS added."""
+    return " ".join(f"w{rng.randrange(3, vocab)}" for _ in range(n))
+
+
+def write_dataset(reqs: list[W2Request], path: Path, seed: int = 0) -> Path:
+    """vLLM's custom dataset: one {"prompt", "output_tokens"} per line, in request order."""
+    rng = random.Random(f"w2-text-{seed}")
+    with open(path, "w") as f:
+        for r in reqs:
+            f.write(
+                json.dumps({"prompt": prompt_text(r.prompt_len, rng), "output_tokens": r.output_len}) + "\n"
+            )
+    return path
+
+
+def client_argv(
+    base_url: str,
+    model_dir: Path,
+    dataset: Path,
+    reqs: list[W2Request],
+    rate: float,
+    result_dir: Path,
+    result_name: str,
+    seed: int = 0,
+) -> list[str]:
+    """Arguments for vLLM's `vllm.benchmarks.serve` running reqs in order at a Poisson rate (inf: all at once)."""
+    argv = ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions"]
+    argv += ["--model", "base", "--tokenizer", str(model_dir), "--seed", str(seed)]
+    argv += ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(len(reqs))]
+    argv += ["--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle", "--no-oversample"]
+    argv += ["--ignore-eos", "--request-rate", str(rate), "--burstiness", "1.0", "--disable-tqdm"]
+    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
+    argv += ["--lora-assignment", "round-robin", "--lora-modules", *(r.adapter for r in reqs)]
+    argv += [
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        result_name,
+    ]
+    return argv
+
+
+def sustained(ttfts_s: list[float]) -> bool:
+    """The queue did not grow: late arrivals wait about as long as early ones (TTFTs in arrival order)."""
+    k = len(ttfts_s) // 3
+    if k < 2:
+        return True
+    first, last = statistics.median(ttfts_s[:k]), statistics.median(ttfts_s[-k:])
+    return last <= 2 * first + 1.0
+
+
+def summarize(raw: dict, rate: float, server: str) -> dict:
+    """The numbers we report from one vLLM-client result JSON (saved with --save-detailed)."""
+    ttfts = [t for t, e in zip(raw.get("ttfts", []), raw.get("errors", []), strict=False) if not e]
+    return {
+        "server": server,
+        "rate": rate,
+        "requests": raw["num_prompts"],
+        "completed": raw["completed"],
+        "failed": raw.get("failed", raw["num_prompts"] - raw["completed"]),
+        "duration_s": raw["duration"],
+        "output_tok_s": raw["output_throughput"],
+        "total_tok_s": raw["total_token_throughput"],
+        "ttft_p50_ms": raw["median_ttft_ms"],
+        "ttft_p99_ms": raw["p99_ttft_ms"],
+        "tpot_p50_ms": raw["median_tpot_ms"],
+        "tpot_p99_ms": raw["p99_tpot_ms"],
+        "e2el_p99_ms": raw["p99_e2el_ms"],
+        "sustained": raw["completed"] == raw["num_prompts"] and sustained(ttfts),
+    }
+
+
+def p8(runs: list[dict]) -> dict | None:
+    """At the highest rate vLLM sustains (else its lowest rate): ours / vLLM output tok/s and p99 TTFT."""
+    by = {(r["server"], r["rate"]): r for r in runs}
+    vrates = sorted(r["rate"] for r in runs if r["server"] == "vllm" and ("ours", r["rate"]) in by)
+    if not vrates:
+        return None
+    ok = [x for x in vrates if by[("vllm", x)]["sustained"]]
+    rate = max(ok) if ok else min(vrates)
+    o, v = by[("ours", rate)], by[("vllm", rate)]
+    return {
+        "rate": rate,
+        "vllm_sustained": bool(ok),
+        "tok_s_ratio": o["output_tok_s"] / v["output_tok_s"],
+        "ttft_p99_ratio": o["ttft_p99_ms"] / v["ttft_p99_ms"],
+    }
+
+
+# ----------------------------------------------------------------------------------------- running it
+def build_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
+    from load_tests.bench_adapters import build_bench_adapters
+
+    out: dict[str, Path] = {}
+    for r, t, n in MIXES:
+        prefix = adapter_mix(((r, t, 1),))[0][0][:-1]
+        for d in build_bench_adapters(model_dir, root, n, r=r, targets=t, prefix=prefix):
+            out[d.name] = d
+    return out
+
+
+def run_client(venv: Path, argv: list[str], log: Path) -> None:
+    cmd = [str(venv / "bin" / "python"), "-c", VLLM_CLIENT, *argv]
+    with open(log, "a") as f:
+        f.write(f"$ vllm.benchmarks.serve {' '.join(argv[:40])} ...\n")
+        f.flush()
+        subprocess.run(
+            cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
+
+
+def sweep(server: str, url: str, a, model_dir: Path, ranked: list[str], raw_dir: Path) -> list[dict]:
+    """The warm-up, then one client run per rate, against a running server."""
+    runs = []
+    warm = make_requests(W2Config(8, seed=10_000 + a.seed), ranked)
+    ds = write_dataset(warm, raw_dir / f"{server}-warmup.jsonl", seed=10_000 + a.seed)
+    run_client(
+        a.vllm_venv, client_argv(url, model_dir, ds, warm, math.inf, raw_dir, f"{server}-warmup.json"), a.log
+    )
+    for i, rate in enumerate(a.rates):
+        n = max(a.min_requests, round(rate * a.window_s))
+        reqs = make_requests(W2Config(n, seed=a.seed + i), ranked)
+        ds = write_dataset(reqs, raw_dir / f"rate{rate}.jsonl", seed=a.seed + i)
+        name = f"{server}-rate{rate}.json"
+        t0 = time.time()
+        run_client(a.vllm_venv, client_argv(url, model_dir, ds, reqs, rate, raw_dir, name, a.seed), a.log)
+        s = summarize(json.loads((raw_dir / name).read_text()), rate, server)
+        s["wall_s"] = time.time() - t0
+        print(json.dumps(s), flush=True)
+        runs.append(s)
+    return runs
+
+
+def run(a) -> dict:
+    import httpx
+
+    from load_tests.bench_lora import CACHE
+    from load_tests.models import build_bench_model
+    from load_tests.servers import loraland_serve, vllm_serve
+
+    model_dir = build_bench_model(CACHE / "bench-tinyllama-2l")
+    store = CACHE / "bench-adapters" / "w2"
+    adapters = build_adapters(model_dir, store)
+    ranked = popularity_order(list(adapters)[: a.adapters], a.seed)
+    raw_dir = a.out / "w2-raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    a.log = a.out / "w2-client.log"
+    runs: list[dict] = []
+    if "ours" in a.servers:
+        env = {"LORALAND_CACHE_DIR": str(a.out / f"cache-w2-{os.getpid()}")}
+        args = ["--adapter-store", str(store), "--dtype", a.dtype, "--max-adapters", str(ENGINE["slots"])]
+        args += [
+            "--max-batch-size",
+            str(ENGINE["max_seqs"]),
+            "--max-num-batched-tokens",
+            str(ENGINE["batched_tokens"]),
+        ]
+        with loraland_serve(model_dir, a.out / "w2-serve.log", *args, env=env) as url:
+            with httpx.Client(base_url=url, timeout=120) as c:
+                for name in ranked:
+                    r = c.post("/v1/adapters", json={"name": name})
+                    if r.status_code not in (200, 201):
+                        raise RuntimeError(f"registering {name}: {r.status_code} {r.text}")
+            runs += sweep("ours", url, a, model_dir, ranked, raw_dir)
+    if "vllm" in a.servers:
+        cpus = f"0-{(os.cpu_count() or 1) - 1}"
+        extra = [
+            "--max-num-seqs",
+            str(ENGINE["max_seqs"]),
+            "--max-num-batched-tokens",
+            str(ENGINE["batched_tokens"]),
+        ]
+        with vllm_serve(
+            a.vllm_venv,
+            model_dir,
+            a.out / "w2-vllm.log",
+            adapters={n: adapters[n] for n in ranked},
+            max_loras=ENGINE["slots"],
+            max_cpu_loras=ENGINE["host_cache"],
+            max_model_len=2048,
+            dtype=a.dtype,
+            cpus=cpus,
+            extra=extra,
+        ) as url:
+            runs += sweep("vllm", url, a, model_dir, ranked, raw_dir)
+    cfg = {"rates": a.rates, "window_s": a.window_s, "min_requests": a.min_requests, "dtype": a.dtype}
+    cfg |= {"adapters": a.adapters, "mixes": [list(m) for m in MIXES], "engine": ENGINE}
+    cfg |= {"workload": asdict(W2Config(1)) | {"num_requests": None}}
+    return {"config": cfg, "runs": runs, "p8": p8(runs)}
+
+
+def plot_rate_sweep(runs: list[dict], path: Path) -> Path:
+    """Output tok/s and p99 TTFT against the offered request rate, one line per server."""
+    from load_tests.plots import _pyplot
+
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for server in sorted({r["server"] for r in runs}):
+        pts = sorted((r["rate"], r) for r in runs if r["server"] == server)
+        xs = [x for x, _ in pts]
+        ax1.plot(xs, [r["output_tok_s"] for _, r in pts], "o-", label=server)
+        ax2.plot(xs, [r["ttft_p99_ms"] / 1000 for _, r in pts], "o-", label=server)
+        for x, r in pts:
+            if not r["sustained"]:
+                ax2.annotate("queue grows", (x, r["ttft_p99_ms"] / 1000), fontsize=7)
+    ax1.set_ylabel("output tokens/s")
+    ax2.set_ylabel("p99 TTFT (s)")
+    ax2.set_yscale("log")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("offered request rate (req/s, Poisson)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_ylim(bottom=0)
+    fig.suptitle("W2: log-normal prompts, 16-512 outputs, zipf(1.0) over 1,000 adapters")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("load_tests/results"))
+    ap.add_argument("--rates", default="0.3,0.6,1.2", help="requests/s, comma-separated")
+    ap.add_argument("--window-s", type=float, default=75.0, help="requests per run = rate x this")
+    ap.add_argument("--min-requests", type=int, default=24)
+    ap.add_argument("--servers", default="ours,vllm")
+    ap.add_argument("--adapters", type=int, default=1000)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "/work/vllm-venv")))
+    a = ap.parse_args(argv)
+    a.rates = [float(x) for x in a.rates.split(",") if x]
+    a.servers = [s for s in a.servers.split(",") if s]
+    a.out = a.out.resolve()
+    a.out.mkdir(parents=True, exist_ok=True)
+    result = run(a)
+    (a.out / "w2.json").write_text(json.dumps(result, indent=1))
+    plot_rate_sweep(result["runs"], a.out / "w2.png")
+    print(json.dumps(result["p8"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""Workload W2's pure parts (load_tests/bench_w2.py): the request mix and the arguments for vLLM's client."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from load_tests.bench_w2 import (
+    ALL7,
+    MIXES,
+    QV,
+    W2Config,
+    adapter_mix,
+    client_argv,
+    make_requests,
+    p8,
+    popularity_order,
+    prompt_text,
+    summarize,
+    sustained,
+    write_dataset,
+    zipf_weights,
+)
+
+
+@pytest.fixture(scope="module")
+def ranked() -> list[str]:
+    return popularity_order([n for n, _, _ in adapter_mix()])
+
+
+def test_adapter_mix_is_1000_named_adapters_of_three_ranks_and_target_sets():
+    mix = adapter_mix()
+    assert len(mix) == 1000 == len({n for n, _, _ in mix})
+    assert {r for _, r, _ in mix} == {8, 16, 64}
+    assert Counter(t for _, _, t in mix) == Counter(
+        {QV: 600, ALL7: 150, ("q_proj", "k_proj", "v_proj", "o_proj"): 250}
+    )
+    assert sum(n for _, _, n in MIXES) == 1000
+    assert mix[0][0] == "w2r8qv0" and mix[-1][0] == "w2r64all29"
+
+
+def test_popularity_order_is_a_seeded_permutation_mixing_ranks(ranked):
+    names = [n for n, _, _ in adapter_mix()]
+    assert sorted(ranked) == sorted(names) and ranked != names
+    assert ranked == popularity_order(names) and ranked != popularity_order(names, seed=1)
+    hot = {n for n, _, _ in adapter_mix() if n in set(ranked[:50])}
+    ranks = {r for n, r, _ in adapter_mix() if n in hot}
+    assert ranks == {8, 16, 64}
+
+
+def test_lengths_follow_the_w2_distributions(ranked):
+    reqs = make_requests(W2Config(5000), ranked)
+    p = [r.prompt_len for r in reqs]
+    o = [r.output_len for r in reqs]
+    assert min(p) >= 16 and max(p) <= 1024 and 185 <= statistics.median(p) <= 215
+    # log-normal: the log of the unclipped middle is symmetric around log(200) with sigma 0.8
+    logs = [math.log(x) for x in p if 16 < x < 1024]
+    assert abs(statistics.stdev(logs) - 0.8) < 0.06
+    assert sum(x == 1024 for x in p) > 0  # the tail is long enough to reach the clip
+    assert min(o) >= 16 and max(o) <= 512 and abs(statistics.mean(o) - 264) < 8
+    assert make_requests(W2Config(5000), ranked) == reqs  # seeded
+    assert make_requests(W2Config(5000, seed=1), ranked) != reqs
+
+
+def test_adapter_picks_are_zipf_over_the_ranking(ranked):
+    n = 20000
+    counts = Counter(r.adapter for r in make_requests(W2Config(n), ranked))
+    h = sum(zipf_weights(1000))
+    for k in (1, 2, 10):
+        expected = n / (k * h)
+        assert abs(counts[ranked[k - 1]] - expected) < 4 * math.sqrt(expected), k
+    assert counts[ranked[0]] > 5 * counts[ranked[9]] > 0
+    assert len(counts) > 500  # the long tail is touched
+
+
+def test_prompt_text_is_n_words_of_the_bench_vocab():
+    words = prompt_text(300, random.Random(0)).split(" ")
+    assert len(words) == 300 and all(w.startswith("w") and 3 <= int(w[1:]) < 32000 for w in words)
+
+
+def test_dataset_and_client_arguments_keep_request_order(tmp_path: Path, ranked):
+    reqs = make_requests(W2Config(12), ranked)
+    ds = write_dataset(reqs, tmp_path / "d.jsonl")
+    rows = [json.loads(line) for line in ds.read_text().splitlines()]
+    assert [len(r["prompt"].split()) for r in rows] == [r.prompt_len for r in reqs]
+    assert [r["output_tokens"] for r in rows] == [r.output_len for r in reqs]
+
+    argv = client_argv("http://127.0.0.1:8000", Path("/m"), ds, reqs, 0.5, tmp_path, "x.json")
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert value("--dataset-name") == "custom" and value("--dataset-path") == str(ds)
+    assert value("--num-prompts") == "12" and value("--custom-output-len") == "-1"
+    assert {"--disable-shuffle", "--skip-chat-template", "--ignore-eos", "--save-detailed"} <= set(argv)
+    assert value("--request-rate") == "0.5" and value("--burstiness") == "1.0"
+    assert value("--base-url") == "http://127.0.0.1:8000" and value("--endpoint") == "/v1/completions"
+    assert value("--lora-assignment") == "round-robin"
+    i = argv.index("--lora-modules") + 1
+    assert argv[i : i + 12] == [r.adapter for r in reqs]  # request k gets module k
+    assert not argv[i + 12].startswith("w2r")
+    assert value("--tokenizer") == "/m" and value("--model") == "base"
+    assert "inf" in client_argv("u", Path("/m"), ds, reqs, math.inf, tmp_path, "x.json")
+
+
+def test_sustained_means_late_requests_do_not_wait_longer():
+    assert sustained([0.2, 0.3, 0.25, 0.4, 0.3, 0.2, 0.35, 0.3, 0.28])
+    assert not sustained([0.2 + 2.0 * i for i in range(30)])
+    assert sustained([5.0])
+
+
+def _raw(n: int, tok_s: float, p99: float, ttfts: list[float]) -> dict:
+    return {
+        "num_prompts": n,
+        "completed": n,
+        "failed": 0,
+        "duration": 10.0,
+        "output_throughput": tok_s,
+        "total_token_throughput": 2 * tok_s,
+        "median_ttft_ms": 100.0,
+        "p99_ttft_ms": p99,
+        "median_tpot_ms": 50.0,
+        "p99_tpot_ms": 80.0,
+        "p99_e2el_ms": 9000.0,
+        "ttfts": ttfts,
+        "errors": [""] * len(ttfts),
+    }
+
+
+def test_p8_compares_at_the_highest_rate_vllm_sustains():
+    flat, growing = [0.1] * 9, [0.1 + i for i in range(9)]
+    runs = [
+        summarize(_raw(9, 100, 500, flat), 0.5, "vllm"),
+        summarize(_raw(9, 150, 800, flat), 1.0, "vllm"),
+        summarize(_raw(9, 160, 9000, growing), 2.0, "vllm"),
+        summarize(_raw(9, 100, 300, flat), 0.5, "ours"),
+        summarize(_raw(9, 300, 200, flat), 1.0, "ours"),
+        summarize(_raw(9, 320, 300, flat), 2.0, "ours"),
+    ]
+    assert [r["sustained"] for r in runs] == [True, True, False, True, True, True]
+    assert p8(runs) == {"rate": 1.0, "vllm_sustained": True, "tok_s_ratio": 2.0, "ttft_p99_ratio": 0.25}
+    assert p8([r for r in runs if r["server"] == "ours"]) is None
