@@ -12,6 +12,7 @@ serving  over HTTP: `loraland serve` (1 replica, all cores) with N rank-16 q,v a
 cold     adapters only in S3: extra TTFT and other requests' TPOT during cold loads (load_tests.bench_cold)
 vllm     the peer: vLLM's CPU build (its own venv, --vllm-venv; skipped when absent) over HTTP with the same
          workload and the same adapters, its OpenMP team bound to as many cores as our replica has threads
+w2       workload W2 (P8) against ours and vLLM with vLLM's own benchmark client (load_tests.bench_w2, ~20 min)
 
 Stages run one after another (they would share the 2 cores otherwise); each writes DIR/<stage>.json, and the
 table is built from whatever JSON files DIR holds, so `--only vllm` adds the peer to an earlier run's table.
@@ -26,11 +27,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from load_tests import bench_w2
 from load_tests.bench_lora import CACHE, build_bench_adapters
 from load_tests.models import build_bench_model
 from load_tests.servers import loraland_serve, vllm_serve
 
-STAGES = ("engine", "lora", "serving", "cold", "vllm")
+STAGES = ("engine", "lora", "serving", "cold", "vllm", "w2")
 WORKLOAD = ["--concurrency", "64", "--num-requests", "64", "--prompt-len", "128", "--output-len", "64"]
 # One untimed pass of each run first: vLLM CPU compiles per batch shape, and adapters are then resident on both.
 WORKLOAD += ["--seed", "0", "--warmup-runs", "1", "--no-progress"]
@@ -302,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                 vllm(out, a.adapters, a.vllm_venv, a.vllm_dtype)
             else:
                 print(f"\nvllm: skipped, no venv at {a.vllm_venv} (see load_tests/vllm_peer.md)")
-    rows = summary_rows(out)
+        elif stage == "w2":
+            _run("load_tests.bench_w2", "--out", str(out), "--vllm-venv", str(a.vllm_venv))
+    rows = summary_rows(out) + bench_w2.summary_rows(out)
     print_summary(rows)
     (out / "summary.json").write_text(
         json.dumps([dict(zip(("measurement", "result", "target"), r)) for r in rows], indent=1)

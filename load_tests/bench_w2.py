@@ -210,6 +210,33 @@ def p8(runs: list[dict]) -> dict | None:
     }
 
 
+def summary_rows(out: Path) -> list[tuple[str, str, str]]:
+    """bench_all's table rows (measurement, result, target) from DIR/w2.json, if there is one."""
+    p = out / "w2.json"
+    if not p.is_file():
+        return []
+    res = json.loads(p.read_text())
+    rows = []
+    for rate in sorted({r["rate"] for r in res["runs"]}):
+        cells = [
+            f"{r['server']} {r['output_tok_s']:.0f} tok/s, p99 TTFT {r['ttft_p99_ms'] / 1000:.1f} s"
+            + ("" if r["sustained"] else " (queue grows)")
+            for r in res["runs"]
+            if r["rate"] == rate
+        ]
+        rows.append((f"W2 over HTTP at {rate:g} req/s", "; ".join(cells), ""))
+    if q := res.get("p8"):
+        rows.append(
+            (
+                f"P8 W2 ours / vLLM at {q['rate']:g} req/s"
+                + ("" if q["vllm_sustained"] else " (vLLM saturated)"),
+                f"tok/s {q['tok_s_ratio']:.2f}x, p99 TTFT {q['ttft_p99_ratio']:.2f}x",
+                ">= 2x, <= 0.5x",
+            )
+        )
+    return rows
+
+
 # ----------------------------------------------------------------------------------------- running it
 def build_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
     from load_tests.bench_adapters import build_bench_adapters
@@ -353,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "/work/vllm-venv")))
     a = ap.parse_args(argv)
+    if not (a.vllm_venv / "bin" / "python").is_file():
+        print(f"w2: skipped, vLLM's client runs from its venv and there is none at {a.vllm_venv}")
+        return 0
     a.rates = [float(x) for x in a.rates.split(",") if x]
     a.servers = [s for s in a.servers.split(",") if s]
     a.out = a.out.resolve()

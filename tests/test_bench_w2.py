@@ -146,3 +146,25 @@ def test_p8_compares_at_the_highest_rate_vllm_sustains():
     assert [r["sustained"] for r in runs] == [True, True, False, True, True, True]
     assert p8(runs) == {"rate": 1.0, "vllm_sustained": True, "tok_s_ratio": 2.0, "ttft_p99_ratio": 0.25}
     assert p8([r for r in runs if r["server"] == "ours"]) is None
+
+
+def test_summary_rows_for_bench_all(tmp_path: Path):
+    from load_tests.bench_w2 import summary_rows
+
+    assert summary_rows(tmp_path) == []
+    flat, growing = [0.1] * 9, [0.1 + i for i in range(9)]
+    runs = [
+        summarize(_raw(9, 100, 500, flat), 0.5, "vllm"),
+        summarize(_raw(9, 160, 9000, growing), 2.0, "vllm"),
+        summarize(_raw(9, 250, 200, flat), 0.5, "ours"),
+        summarize(_raw(9, 320, 300, flat), 2.0, "ours"),
+    ]
+    (tmp_path / "w2.json").write_text(json.dumps({"runs": runs, "p8": p8(runs)}))
+    rows = summary_rows(tmp_path)
+    assert [r[0] for r in rows] == [
+        "W2 over HTTP at 0.5 req/s",
+        "W2 over HTTP at 2 req/s",
+        "P8 W2 ours / vLLM at 0.5 req/s",
+    ]
+    assert "vllm 160 tok/s, p99 TTFT 9.0 s (queue grows)" in rows[1][1]
+    assert rows[2][1] == "tok/s 2.50x, p99 TTFT 0.40x"
