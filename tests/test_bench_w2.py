@@ -133,16 +133,23 @@ def _raw(n: int, tok_s: float, p99: float, ttfts: list[float]) -> dict:
     }
 
 
-def test_p8_compares_at_the_highest_rate_vllm_sustains():
-    flat, growing = [0.1] * 9, [0.1 + i for i in range(9)]
-    runs = [
-        summarize(_raw(9, 100, 500, flat), 0.5, "vllm"),
-        summarize(_raw(9, 150, 800, flat), 1.0, "vllm"),
-        summarize(_raw(9, 160, 9000, growing), 2.0, "vllm"),
-        summarize(_raw(9, 100, 300, flat), 0.5, "ours"),
-        summarize(_raw(9, 300, 200, flat), 1.0, "ours"),
-        summarize(_raw(9, 320, 300, flat), 2.0, "ours"),
+def _runs(*specs: tuple[str, float, float, float, bool]) -> list[dict]:
+    """(server, rate, tok/s, p99 TTFT ms, queue flat) -> summaries; a growing queue's TTFTs climb 1 s a request."""
+    return [
+        summarize(_raw(9, tok_s, p99, [0.1 + (0 if flat else i) for i in range(9)]), rate, server)
+        for server, rate, tok_s, p99, flat in specs
     ]
+
+
+def test_p8_compares_at_the_highest_rate_vllm_sustains():
+    runs = _runs(
+        ("vllm", 0.5, 100, 500, True),
+        ("vllm", 1.0, 150, 800, True),
+        ("vllm", 2.0, 160, 9000, False),
+        ("ours", 0.5, 100, 300, True),
+        ("ours", 1.0, 300, 200, True),
+        ("ours", 2.0, 320, 300, True),
+    )
     assert [r["sustained"] for r in runs] == [True, True, False, True, True, True]
     assert p8(runs) == {"rate": 1.0, "vllm_sustained": True, "tok_s_ratio": 2.0, "ttft_p99_ratio": 0.25}
     assert p8([r for r in runs if r["server"] == "ours"]) is None
@@ -152,13 +159,12 @@ def test_summary_rows_for_bench_all(tmp_path: Path):
     from load_tests.bench_w2 import summary_rows
 
     assert summary_rows(tmp_path) == []
-    flat, growing = [0.1] * 9, [0.1 + i for i in range(9)]
-    runs = [
-        summarize(_raw(9, 100, 500, flat), 0.5, "vllm"),
-        summarize(_raw(9, 160, 9000, growing), 2.0, "vllm"),
-        summarize(_raw(9, 250, 200, flat), 0.5, "ours"),
-        summarize(_raw(9, 320, 300, flat), 2.0, "ours"),
-    ]
+    runs = _runs(
+        ("vllm", 0.5, 100, 500, True),
+        ("vllm", 2.0, 160, 9000, False),
+        ("ours", 0.5, 250, 200, True),
+        ("ours", 2.0, 320, 300, True),
+    )
     (tmp_path / "w2.json").write_text(json.dumps({"runs": runs, "p8": p8(runs)}))
     rows = summary_rows(tmp_path)
     assert [r[0] for r in rows] == [
