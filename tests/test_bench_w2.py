@@ -128,6 +128,7 @@ def _raw(n: int, tok_s: float, p99: float, ttfts: list[float]) -> dict:
         "median_tpot_ms": 50.0,
         "p99_tpot_ms": 80.0,
         "p99_e2el_ms": 9000.0,
+        "total_output_tokens": 900,
         "ttfts": ttfts,
         "errors": [""] * len(ttfts),
     }
