@@ -29,6 +29,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,47 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+async def drive(
+    phase: Phase,
+    one: Callable[[str, Phase], Awaitable[None]],
+    a_concurrency: int,
+    b_rate: float,
+    warmup: float,
+    pending_timeout_s: float,
+) -> None:
+    """One phase: tenant A's closed loops (`a_concurrency` of them, 0: none) and tenant B's requests at `b_rate`
+    per second (0: none) run `warmup` seconds, then the measured window, then on until every B request sent in
+    the window has its first token (at most `pending_timeout_s` more); then every request is cancelled."""
+    stop = asyncio.Event()
+    tasks = []
+
+    async def closed_loop() -> None:
+        while not stop.is_set():
+            await one("a", phase)
+
+    async def steady() -> None:
+        interval, nxt = 1.0 / b_rate, time.perf_counter()
+        while not stop.is_set():
+            tasks.append(asyncio.ensure_future(one("b", phase)))
+            nxt += interval
+            await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+
+    tasks += [asyncio.ensure_future(closed_loop()) for _ in range(a_concurrency)]
+    if b_rate > 0:
+        tasks.append(asyncio.ensure_future(steady()))
+    await asyncio.sleep(warmup)
+    phase.start = time.perf_counter()
+    phase.end = phase.start + phase.seconds
+    await asyncio.sleep(phase.seconds)
+    deadline = time.perf_counter() + pending_timeout_s
+    while phase.pending_b and time.perf_counter() < deadline:
+        await asyncio.sleep(0.02)
+    stop.set()
+    for t in tasks:  # cancelling a stream aborts its request in the engine
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Bench:
@@ -115,36 +157,7 @@ class Bench:
 
     async def run(self, flood: bool, b_rate: float, seconds: float, warmup: float) -> Phase:
         phase = self.phase = Phase(seconds)
-        stop = asyncio.Event()
-        tasks = []
-
-        async def closed_loop() -> None:
-            while not stop.is_set():
-                await self.one("a", phase)
-
-        async def steady() -> None:
-            interval = 1.0 / b_rate
-            nxt = time.perf_counter()
-            while not stop.is_set():
-                tasks.append(asyncio.ensure_future(self.one("b", phase)))
-                nxt += interval
-                await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
-
-        if flood:
-            tasks += [asyncio.ensure_future(closed_loop()) for _ in range(self.a.a_concurrency)]
-        if b_rate > 0:
-            tasks.append(asyncio.ensure_future(steady()))
-        await asyncio.sleep(warmup)
-        phase.start = time.perf_counter()
-        phase.end = phase.start + seconds
-        await asyncio.sleep(seconds)
-        deadline = time.perf_counter() + 120
-        while phase.pending_b and time.perf_counter() < deadline:
-            await asyncio.sleep(0.02)
-        stop.set()
-        for t in tasks:  # cancelling a stream aborts its request in the engine
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await drive(phase, self.one, self.a.a_concurrency if flood else 0, b_rate, warmup, 120.0)
         await self.drain()
         return phase
 
@@ -185,6 +198,21 @@ async def measure(kernel, a: argparse.Namespace) -> dict:
     return row
 
 
+def add_load_args(
+    ap: argparse.ArgumentParser, max_batch: int, a_concurrency: int, b_share: float, prompt_len: int, new: int
+) -> None:
+    """The phases' and the load's options (this bench's and bench_fairness_http's), with their defaults."""
+    ap.add_argument("--seconds", type=float, default=60.0, help="measured seconds per phase")
+    ap.add_argument("--warmup", type=float, default=5.0, help="seconds per phase before measuring")
+    ap.add_argument("--max-batch", type=int, default=max_batch)
+    ap.add_argument(
+        "--a-concurrency", type=int, default=a_concurrency, help="tenant A's outstanding requests"
+    )
+    ap.add_argument("--b-share", type=float, default=b_share, help="B's rate, as a share of saturated req/s")
+    ap.add_argument("--prompt-len", type=int, default=prompt_len)
+    ap.add_argument("--new", type=int, default=new)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -192,13 +220,7 @@ def main() -> None:
     )
     ap.add_argument("--policies", default="vtc,vtc+preempt,fcfs")
     ap.add_argument("--fixed-len", action="store_true", help="every request exactly --new output tokens")
-    ap.add_argument("--seconds", type=float, default=60.0, help="measured seconds per phase")
-    ap.add_argument("--warmup", type=float, default=5.0, help="seconds per phase before measuring")
-    ap.add_argument("--max-batch", type=int, default=16)
-    ap.add_argument("--a-concurrency", type=int, default=64, help="tenant A's outstanding requests")
-    ap.add_argument("--b-share", type=float, default=0.1, help="B's rate, as a share of saturated req/s")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new", type=int, default=32)
+    add_load_args(ap, max_batch=16, a_concurrency=64, b_share=0.1, prompt_len=64, new=32)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", type=Path, default=None, help="a model folder (default: the bench model)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -51,6 +51,18 @@ class StackConfig:
     num_cpus: int = 4
     ingress_replicas: int = 1  # the chaos run uses 2: killing one leaves the other serving
     proxy_middleware: bool = True  # Serve's proxy wrapped in IngressLossMiddleware (False: Serve's as it is)
+    # The replicas' admission between tenants (KernelConfig.scheduling_policy, .vtc_preempt)
+    scheduling_policy: str = "vtc"
+    vtc_preempt: bool = True
+    # A model folder to serve instead of the tiny test model (e.g. load_tests/models.py's bench model); the tiny
+    # adapters fit the tiny model only, so then adapters = cold = 0.
+    model_dir: Path | None = None
+    oracle: bool = True  # the in-process reference kernel (reference()); off: no second copy of the model
+
+    def __post_init__(self) -> None:
+        if self.model_dir is not None and (self.adapters or self.cold):
+            raise ValueError("StackConfig: the tiny test adapters fit the tiny model only: with model_dir, "
+                             "set adapters=0 and cold=0")  # fmt: skip
 
 
 class RestartableRedis:
@@ -162,7 +174,7 @@ class LocalStack:
         from tests.fixtures.tiny_adapter import write_tiny_adapter
 
         t0 = time.monotonic()
-        self.model_dir = build_tiny_model(self.workdir / "model", "llama-gqa")
+        self.model_dir = self.cfg.model_dir or build_tiny_model(self.workdir / "model", "llama-gqa")
         self.redis.start()
         self.s3.start()
         make_bucket(self.s3.url, BUCKET)
@@ -176,9 +188,11 @@ class LocalStack:
             self.folders[name] = write_tiny_adapter(self.workdir / "adapters" / name, seed=2000 + i)
             _cli("adapters", "push", name, str(self.folders[name]), "--to", f"s3://{BUCKET}/{name}", "--public",
                  "--model", str(self.model_dir), "--json", "--no-progress")  # fmt: skip
-        self.oracle = LLMKernel(self.model_dir, max_adapters=64, max_batch_size=4, dtype="float32")
-        for name, folder in self.folders.items():
-            self.oracle.load_adapter(name, folder, version=1)
+        self.oracle = None
+        if self.cfg.oracle:
+            self.oracle = LLMKernel(self.model_dir, max_adapters=64, max_batch_size=4, dtype="float32")
+            for name, folder in self.folders.items():
+                self.oracle.load_adapter(name, folder, version=1)
         worker_env = {**env, "LORALAND_CACHE_DIR": str(self.workdir / "replica-cache"), "OMP_NUM_THREADS": "1",
                       "TOKENIZERS_PARALLELISM": "false",
                       PROXY_CALLBACK_ENV: PROXY_CALLBACK if self.cfg.proxy_middleware else ""}  # fmt: skip
@@ -208,6 +222,8 @@ class LocalStack:
                 "max_cpu_adapters": self.cfg.max_cpu_adapters,
                 "max_batch_size": self.cfg.max_batch_size,
                 "dtype": "float32",
+                "scheduling_policy": self.cfg.scheduling_policy,
+                "vtc_preempt": self.cfg.vtc_preempt,
             },  # fmt: skip
             heartbeat_s=self.cfg.heartbeat_s,
             heartbeat_ttl_s=self.cfg.heartbeat_ttl_s,
@@ -250,6 +266,11 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def add_tenant(self, name: str) -> str:
+        """A new tenant; returns its API key (the ingress maps the key to the tenant, the replica's scheduler
+        shares between tenants)."""
+        return _cli("tenants", "create", name, "--json")["api_key"]
 
     # ------------------------------------------------------------------ state
     def replica_states(self) -> dict[str, int]:
@@ -307,6 +328,9 @@ class LocalStack:
     def reference(self, model: str, prompt: str | None, messages: list | None, max_tokens: int) -> str:
         """The single-request greedy output of the in-process kernel (cached)."""
         from app.replica.core import render_chat
+
+        if self.oracle is None:
+            raise RuntimeError("this stack has no reference kernel: StackConfig(oracle=True)")
 
         key = (model, prompt, json.dumps(messages), max_tokens)
         if key not in self._refs:
