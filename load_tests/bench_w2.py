@@ -1,6 +1,6 @@
 """Workload W2 (issue 13, P8): realistic traffic over HTTP, driven by vLLM's own benchmark client.
 
-    python -m load_tests.bench_w2 [--out DIR] [--rates 0.3,0.6,1.2] [--window-s 75] [--servers ours,vllm]
+    python -m load_tests.bench_w2 [--out DIR] [--rates 0.15,0.3,0.6] [--window-s 75] [--servers ours,vllm]
                                   [--vllm-venv DIR] [--dtype bfloat16] [--adapters 1000]
 
 Prompt lengths log-normal (median 200, sigma 0.8, clipped to 16..1024 tokens), output lengths uniform 16..512
@@ -160,7 +160,8 @@ def client_argv(
     argv += ["--model", "base", "--tokenizer", str(model_dir), "--seed", str(seed)]
     argv += ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(len(reqs))]
     argv += ["--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle", "--no-oversample"]
-    argv += ["--ignore-eos", "--request-rate", str(rate), "--burstiness", "1.0", "--disable-tqdm"]
+    argv += ["--ignore-eos", "--temperature", "0", "--request-rate", str(rate), "--burstiness", "1.0"]
+    argv += ["--disable-tqdm"]
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
     argv += ["--lora-assignment", "round-robin", "--lora-modules", *(r.adapter for r in reqs)]
     argv += [
@@ -390,7 +391,7 @@ def plot_rate_sweep(runs: list[dict], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("load_tests/results"))
-    ap.add_argument("--rates", default="0.3,0.6,1.2", help="requests/s, comma-separated")
+    ap.add_argument("--rates", default="0.15,0.3,0.6", help="requests/s, comma-separated")
     ap.add_argument("--window-s", type=float, default=75.0, help="requests per run = rate x this")
     ap.add_argument("--min-requests", type=int, default=24)
     ap.add_argument("--servers", default="ours,vllm")

@@ -99,7 +99,9 @@ def test_dataset_and_client_arguments_keep_request_order(tmp_path: Path, ranked)
     assert value("--dataset-name") == "custom" and value("--dataset-path") == str(ds)
     assert value("--num-prompts") == "12" and value("--custom-output-len") == "-1"
     assert {"--disable-shuffle", "--skip-chat-template", "--ignore-eos", "--save-detailed"} <= set(argv)
-    assert value("--request-rate") == "0.5" and value("--burstiness") == "1.0"
+    assert (
+        value("--request-rate") == "0.5" and value("--burstiness") == "1.0" and value("--temperature") == "0"
+    )
     assert value("--base-url") == "http://127.0.0.1:8000" and value("--endpoint") == "/v1/completions"
     assert value("--lora-assignment") == "round-robin"
     i = argv.index("--lora-modules") + 1
