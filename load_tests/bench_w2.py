@@ -184,9 +184,16 @@ def sustained(ttfts_s: list[float]) -> bool:
     return last <= 2 * first + 1.0
 
 
-def summarize(raw: dict, rate: float, server: str) -> dict:
-    """The numbers we report from one vLLM-client result JSON (saved with --save-detailed)."""
+KEEP_UP = 0.85  # the share of the offered output tokens/s a server must deliver to be sustaining the rate
+
+
+def summarize(raw: dict, rate: float, server: str, expected_output_tokens: int) -> dict:
+    """The numbers we report from one vLLM-client result JSON (saved with --save-detailed). A server sustains
+    the rate when every request completed, TTFTs did not grow, and it delivered KEEP_UP of the offered tok/s
+    (a server that admits everything at once keeps TTFT flat while the batch, and TPOT, grow instead)."""
     ttfts = [t for t, e in zip(raw.get("ttfts", []), raw.get("errors", []), strict=False) if not e]
+    offered = rate * expected_output_tokens / raw["num_prompts"]
+    keeps_up = raw["output_throughput"] >= KEEP_UP * offered
     return {
         "server": server,
         "rate": rate,
@@ -195,6 +202,8 @@ def summarize(raw: dict, rate: float, server: str) -> dict:
         "failed": raw.get("failed", raw["num_prompts"] - raw["completed"]),
         "duration_s": raw["duration"],
         "output_tokens": raw["total_output_tokens"],
+        "expected_output_tokens": expected_output_tokens,
+        "offered_tok_s": offered,
         "output_tok_s": raw["output_throughput"],
         "total_tok_s": raw["total_token_throughput"],
         "ttft_p50_ms": raw["median_ttft_ms"],
@@ -202,12 +211,16 @@ def summarize(raw: dict, rate: float, server: str) -> dict:
         "tpot_p50_ms": raw["median_tpot_ms"],
         "tpot_p99_ms": raw["p99_tpot_ms"],
         "e2el_p99_ms": raw["p99_e2el_ms"],
-        "sustained": raw["completed"] == raw["num_prompts"] and sustained(ttfts),
+        "ttft_flat": sustained(ttfts),
+        "keeps_up": keeps_up,
+        "sustained": raw["completed"] == raw["num_prompts"] and sustained(ttfts) and keeps_up,
     }
 
 
 def p8(runs: list[dict]) -> dict | None:
-    """At the highest rate vLLM sustains (else its lowest rate): ours / vLLM output tok/s and p99 TTFT."""
+    """At the highest rate vLLM sustains (else its lowest rate): ours / vLLM output tok/s and p99 TTFT; and the
+    same at the top rate, where both are saturated and tok/s compares capacities (at a rate both sustain, both
+    deliver the offered tokens and the tok/s ratio is ~1 whatever the engines)."""
     by = {(r["server"], r["rate"]): r for r in runs}
     vrates = sorted(r["rate"] for r in runs if r["server"] == "vllm" and ("ours", r["rate"]) in by)
     if not vrates:
@@ -215,11 +228,15 @@ def p8(runs: list[dict]) -> dict | None:
     ok = [x for x in vrates if by[("vllm", x)]["sustained"]]
     rate = max(ok) if ok else min(vrates)
     o, v = by[("ours", rate)], by[("vllm", rate)]
+    ot, vt = by[("ours", vrates[-1])], by[("vllm", vrates[-1])]
     return {
         "rate": rate,
         "vllm_sustained": bool(ok),
         "tok_s_ratio": o["output_tok_s"] / v["output_tok_s"],
         "ttft_p99_ratio": o["ttft_p99_ms"] / v["ttft_p99_ms"],
+        "top_rate": vrates[-1],
+        "top_tok_s_ratio": ot["output_tok_s"] / vt["output_tok_s"],
+        "top_ttft_p99_ratio": ot["ttft_p99_ms"] / vt["ttft_p99_ms"],
     }
 
 
@@ -233,7 +250,7 @@ def summary_rows(out: Path) -> list[tuple[str, str, str]]:
     for rate in sorted({r["rate"] for r in res["runs"]}):
         cells = [
             f"{r['server']} {r['output_tok_s']:.0f} tok/s, p99 TTFT {r['ttft_p99_ms'] / 1000:.1f} s"
-            + ("" if r["sustained"] else " (queue grows)")
+            + ("" if r["sustained"] else " (not sustained)")
             for r in res["runs"]
             if r["rate"] == rate
         ]
@@ -245,6 +262,13 @@ def summary_rows(out: Path) -> list[tuple[str, str, str]]:
                 + ("" if q["vllm_sustained"] else " (vLLM saturated)"),
                 f"tok/s {q['tok_s_ratio']:.2f}x, p99 TTFT {q['ttft_p99_ratio']:.2f}x",
                 ">= 2x, <= 0.5x",
+            )
+        )
+        rows.append(
+            (
+                f"W2 ours / vLLM at the top rate, {q['top_rate']:g} req/s",
+                f"tok/s {q['top_tok_s_ratio']:.2f}x, p99 TTFT {q['top_ttft_p99_ratio']:.3f}x",
+                "",
             )
         )
     return rows
@@ -272,6 +296,24 @@ def run_client(venv: Path, argv: list[str], log: Path) -> None:
         )
 
 
+def rate_requests(a, i: int, ranked: list[str]) -> list[W2Request]:
+    """The requests of the i-th rate: rate x window-s of them (at least min-requests; min-requests for inf)."""
+    rate = a.rates[i]
+    n = a.min_requests if math.isinf(rate) else max(a.min_requests, round(rate * a.window_s))
+    return make_requests(W2Config(n, seed=a.seed + i), ranked)
+
+
+def from_raw(a) -> list[dict]:
+    """The runs again from DIR/w2-raw (the client's JSON) without starting anything: the summary's rules changed."""
+    ranked = popularity_order([n for n, _, _ in adapter_mix()][: a.adapters], a.seed)
+    runs = []
+    for server in a.servers:
+        for i, rate in enumerate(a.rates):
+            raw = json.loads((a.out / "w2-raw" / f"{server}-rate{rate}.json").read_text())
+            runs.append(summarize(raw, rate, server, sum(r.output_len for r in rate_requests(a, i, ranked))))
+    return runs
+
+
 def sweep(server: str, url: str, a, model_dir: Path, ranked: list[str], raw_dir: Path) -> list[dict]:
     """The warm-up, then one client run per rate, against a running server."""
     runs = []
@@ -287,14 +329,12 @@ def sweep(server: str, url: str, a, model_dir: Path, ranked: list[str], raw_dir:
             f"{server}: {w['failed']} of {len(warm)} warm-up requests failed: {errors}; see {a.log}"
         )
     for i, rate in enumerate(a.rates):
-        n = a.min_requests if math.isinf(rate) else max(a.min_requests, round(rate * a.window_s))
-        reqs = make_requests(W2Config(n, seed=a.seed + i), ranked)
+        reqs = rate_requests(a, i, ranked)
         ds = write_dataset(reqs, raw_dir / f"rate{rate}.jsonl", seed=a.seed + i)
         name = f"{server}-rate{rate}.json"
         t0 = time.time()
         run_client(a.vllm_venv, client_argv(url, model_dir, ds, reqs, rate, raw_dir, name, a.seed), a.log)
-        s = summarize(json.loads((raw_dir / name).read_text()), rate, server)
-        s["expected_output_tokens"] = sum(r.output_len for r in reqs)
+        s = summarize(json.loads((raw_dir / name).read_text()), rate, server, sum(r.output_len for r in reqs))
         s["wall_s"] = time.time() - t0
         print(json.dumps(s), flush=True)
         runs.append(s)
@@ -372,7 +412,9 @@ def plot_rate_sweep(runs: list[dict], path: Path) -> Path:
         ax2.plot(xs, [r["ttft_p99_ms"] / 1000 for _, r in pts], "o-", label=server)
         for x, r in pts:
             if not r["sustained"]:
-                ax2.annotate("queue grows", (x, r["ttft_p99_ms"] / 1000), fontsize=7)
+                ax2.annotate("not sustained", (x, r["ttft_p99_ms"] / 1000), fontsize=7)
+    offered = sorted({(r["rate"], r["offered_tok_s"]) for r in runs})  # the same requests for every server
+    ax1.plot([x for x, _ in offered], [y for _, y in offered], ":", color="grey", label="offered")
     ax1.set_ylabel("output tokens/s")
     ax2.set_ylabel("p99 TTFT (s)")
     ax2.set_yscale("log")
@@ -399,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "/work/vllm-venv")))
+    ap.add_argument("--from-raw", action="store_true", help="rebuild w2.json and w2.png from DIR/w2-raw")
     a = ap.parse_args(argv)
     if not (a.vllm_venv / "bin" / "python").is_file():
         print(f"w2: skipped, vLLM's client runs from its venv and there is none at {a.vllm_venv}")
@@ -407,9 +450,16 @@ def main(argv: list[str] | None = None) -> int:
     a.servers = [s for s in a.servers.split(",") if s]
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
-    result = run(a)
+    if a.from_raw:
+        old = json.loads((a.out / "w2.json").read_text())
+        result = old | {"runs": from_raw(a)}
+        result["p8"] = p8(result["runs"])
+    else:
+        result = run(a)
     (a.out / "w2.json").write_text(json.dumps(result, indent=1))
     plot_rate_sweep(result["runs"], a.out / "w2.png")
+    for row in summary_rows(a.out):
+        print(" | ".join(row))
     print(json.dumps(result["p8"]))
     return 0
 

@@ -139,9 +139,23 @@ def _raw(n: int, tok_s: float, p99: float, ttfts: list[float]) -> dict:
 def _runs(*specs: tuple[str, float, float, float, bool]) -> list[dict]:
     """(server, rate, tok/s, p99 TTFT ms, queue flat) -> summaries; a growing queue's TTFTs climb 1 s a request."""
     return [
-        summarize(_raw(9, tok_s, p99, [0.1 + (0 if flat else i) for i in range(9)]), rate, server)
+        summarize(
+            _raw(9, tok_s, p99, [0.1 + (0 if flat else i) for i in range(9)]),
+            rate,
+            server,
+            round(9 * tok_s / rate),
+        )
         for server, rate, tok_s, p99, flat in specs
     ]
+
+
+def test_a_server_that_delivers_too_little_of_the_offered_load_does_not_sustain_it():
+    raw = _raw(9, 100, 300, [0.1] * 9)  # flat TTFTs: it admitted everything, and decode slowed down instead
+    ok, slow = summarize(raw, 1.0, "ours", 9 * 110), summarize(raw, 1.0, "ours", 9 * 200)
+    assert ok["offered_tok_s"] == 110 and ok["sustained"] and ok["ttft_flat"]
+    assert (
+        slow["offered_tok_s"] == 200 and slow["ttft_flat"] and not slow["keeps_up"] and not slow["sustained"]
+    )
 
 
 def test_p8_compares_at_the_highest_rate_vllm_sustains():
@@ -154,7 +168,15 @@ def test_p8_compares_at_the_highest_rate_vllm_sustains():
         ("ours", 2.0, 320, 300, True),
     )
     assert [r["sustained"] for r in runs] == [True, True, False, True, True, True]
-    assert p8(runs) == {"rate": 1.0, "vllm_sustained": True, "tok_s_ratio": 2.0, "ttft_p99_ratio": 0.25}
+    assert p8(runs) == {
+        "rate": 1.0,
+        "vllm_sustained": True,
+        "tok_s_ratio": 2.0,
+        "ttft_p99_ratio": 0.25,
+        "top_rate": 2.0,
+        "top_tok_s_ratio": 2.0,
+        "top_ttft_p99_ratio": 300 / 9000,
+    }
     assert p8([r for r in runs if r["server"] == "ours"]) is None
 
 
@@ -174,6 +196,7 @@ def test_summary_rows_for_bench_all(tmp_path: Path):
         "W2 over HTTP at 0.5 req/s",
         "W2 over HTTP at 2 req/s",
         "P8 W2 ours / vLLM at 0.5 req/s",
+        "W2 ours / vLLM at the top rate, 2 req/s",
     ]
-    assert "vllm 160 tok/s, p99 TTFT 9.0 s (queue grows)" in rows[1][1]
+    assert "vllm 160 tok/s, p99 TTFT 9.0 s (not sustained)" in rows[1][1]
     assert rows[2][1] == "tok/s 2.50x, p99 TTFT 0.40x"
