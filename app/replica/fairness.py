@@ -43,18 +43,22 @@ whose counter is not above theirs, claims a slot from the tenants that run more 
   cores, load_tests/fairness.md: flood throughput 0.83-1.00 of saturated with it, 0.98-1.14 without, B's TTFT
   p99 no better).
 A slot so moves only from a tenant above its guarantee to one below it, never back while both stay on their side:
-no thrashing.
-- prefill cap (`prefill_cap`, tokens; None: off): a request's TTFT includes the step in flight when it arrives (a
-  step is not interruptible), and a step's cost grows with the prompts it carries. So while a light tenant is
-  active, one whose requests (running and waiting together) are fewer than its guarantee, the other tenants (whose
-  requests reach their guarantee: they would fill it) get at most `prefill_cap` prefill tokens per step together:
-  new admissions and chunks of running prefills (a longer prompt is chunked, as chunked prefill does), decodes
-  untouched. "Active" (a request running or waiting) and not "a request waiting for its first token": a tenant
-  sending at a low rate has a request in flight most of the time, and its next one arrives at a random moment, in
-  whatever step is running then. The others still progress every step (no starvation); a light tenant is never
-  capped. The counter condition keeps claims in VTC's direction (a claimant is never ahead of whom it takes
+no thrashing. The counter condition keeps claims in VTC's direction (a claimant is never ahead of whom it takes
 from), so the bound still holds, and a yielder is never starved: a claim charges the claimant's prompt, and once
 its counter passes the yielder's it claims no more.
+With `preempt`, also optional, off by default: the prefill cap (`prefill_cap`, in tokens). A request's TTFT
+includes the rest of the step in flight when it arrives (a step is not interruptible), and a step's cost grows with
+the prompts it carries. So while a light tenant is active, one whose requests (running and waiting together) are
+fewer than its guarantee, the other tenants (whose requests reach their guarantee: they would fill it) get at most
+`prefill_cap` prefill tokens per step together: new admissions and chunks of running prefills (a longer prompt is
+chunked, as chunked prefill does); decodes are never capped. "Active" (a request running or waiting) rather than
+"a request waiting for its first token": a tenant sending at a low rate has a request in flight most of the time,
+and its next one arrives at a random moment, in whatever step runs then. The others still progress every step (no
+starvation; the bound holds), a light tenant is never capped. Off by default, because measured it did not pay
+(load_tests/fairness.md, 2 CPU cores): it removes the long steps (the flood's step p99 -15%), but the light
+tenant's TTFT p99 followed in one pass of two, and a cap below one prompt cost throughput (0.79-0.91 of
+saturated). What is left of that TTFT is the rest of an ordinary step in flight and the flooder's
+decodes in its own first step.
 """
 
 from __future__ import annotations

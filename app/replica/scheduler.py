@@ -7,8 +7,8 @@ Which waiting request is admitted next is the admission policy's call (app/repli
 (FCFS), or between tenants by the Virtual Token Counter; running sequences are served oldest first either way.
 A policy with fair claims (VTC with preempt) may also make a waiting request jump ahead: it is admitted first in
 the step, taking a slot or KV blocks from tenants above their guarantee, and those tenants sit the step out.
-Such a policy may also cap the prefill tokens of tenants at or above their guarantee while one below it is active,
-so that no step a light tenant's request can arrive behind is long.
+Such a policy may also cap the other tenants' prefill tokens per step while a light tenant (asking for fewer slots
+than its guarantee) is active, so that no step a light tenant's request can arrive behind is long.
 """
 
 from __future__ import annotations
