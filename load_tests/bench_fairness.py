@@ -8,9 +8,7 @@ saturated request rate, at fixed intervals. Every request: `--prompt-len` random
 `--new`/2 and 3*`--new`/2 output tokens (ignore_eos; `--fixed-len`: exactly `--new`, and A's requests then finish
 in lockstep, a batch at a time), TinyLlama-width 2-layer random model (load_tests/models.py). Policies: "vtc"
 (the paper's, no claims), "vtc+preempt" (KernelConfig.vtc_preempt: fair claims), "vtc+preempt+isolate" (claims
-whose first prefill step the flooder sits out: VirtualTokenCounter.isolate), "vtc+preempt+capN" (the prefill cap:
-while B is active, A's prefill tokens per step at most N, VirtualTokenCounter.prefill_cap) and "fcfs". Per policy,
-on one kernel:
+whose first prefill step the flooder sits out: VirtualTokenCounter.isolate) and "fcfs". Per policy, on one kernel:
 
   saturated  A alone, closed loop: output tok/s, the server's saturated throughput
   b_alone    B alone at its rate: B's time to first token (TTFT), p50 and p99
@@ -249,9 +247,6 @@ def main() -> None:
         ) as k:
             if "+isolate" in policy:
                 k.fairness.isolate = True
-            for part in policy.split("+"):
-                if part.startswith("cap"):  # the prefill cap, in tokens (VirtualTokenCounter.prefill_cap)
-                    k.fairness.prefill_cap_tokens = int(part[3:])
             k.complete([[5, 6, 7]], max_tokens=2, ignore_eos=True)  # warm-up
             rows[policy] = r = asyncio.run(measure(k, a))
             r["preemptions"] = k.engine.scheduler.num_preemptions

@@ -46,19 +46,11 @@ A slot so moves only from a tenant above its guarantee to one below it, never ba
 no thrashing. The counter condition keeps claims in VTC's direction (a claimant is never ahead of whom it takes
 from), so the bound still holds, and a yielder is never starved: a claim charges the claimant's prompt, and once
 its counter passes the yielder's it claims no more.
-With `preempt`, also optional, off by default: the prefill cap (`prefill_cap`, in tokens). A request's TTFT
-includes the rest of the step in flight when it arrives (a step is not interruptible), and a step's cost grows with
-the prompts it carries. So while a light tenant is active, one whose requests (running and waiting together) are
-fewer than its guarantee, the other tenants (whose requests reach their guarantee: they would fill it) get at most
-`prefill_cap` prefill tokens per step together: new admissions and chunks of running prefills (a longer prompt is
-chunked, as chunked prefill does); decodes are never capped. "Active" (a request running or waiting) rather than
-"a request waiting for its first token": a tenant sending at a low rate has a request in flight most of the time,
-and its next one arrives at a random moment, in whatever step runs then. The others still progress every step (no
-starvation; the bound holds), a light tenant is never capped. Off by default, because measured it did not pay
-(load_tests/fairness.md, 2 CPU cores): it removes the long steps (the flood's step p99 -15%), but the light
-tenant's TTFT p99 followed in one pass of two, and a cap below one prompt cost throughput (0.79-0.91 of
-saturated). What is left of that TTFT is the rest of an ordinary step in flight and the flooder's
-decodes in its own first step.
+Tried and removed: a prefill cap (while a light tenant is active, the others' prefill tokens per step capped, so
+that no step its request can land behind carries several of their prompts). It shortened the long steps (the
+flood's step p99 -15%) but the light tenant's TTFT p99 did not follow (load_tests/fairness.md; the code is in git
+history, commit 18c0f99): what remains is the rest of an ordinary step in flight and the flooder's decodes riding
+in the light request's first step.
 """
 
 from __future__ import annotations
@@ -97,8 +89,7 @@ class AdmissionPolicy(Protocol):
     admitted: a candidate was admitted; sampled: one output token was sampled for seq; claims: whether `claim`
     can ever answer; claim: whether waiting seq is owed a slot now, ahead of the order, and at whose expense (None:
     no); kv_victim: which of the running sequences not yet scheduled this step to preempt when KV blocks run out
-    (they are in admission order); prefill_cap: the tenants whose prefill tokens this step are capped, and the
-    cap (tokens, those tenants together), given the sequences holding batch slots (none: no cap)."""
+    (they are in admission order)."""
 
     claims: bool
 
@@ -110,7 +101,6 @@ class AdmissionPolicy(Protocol):
     def set_weights(self, weights: Mapping[str | None, float]) -> None: ...
     def claim(self, seq: Sequence, running: list[Sequence], max_batch: int) -> Claim | None: ...
     def kv_victim(self, candidates: list[Sequence]) -> Sequence: ...
-    def prefill_cap(self, running: list[Sequence], max_batch: int) -> tuple[frozenset[str | None], int]: ...
 
 
 class FirstComeFirstServed:
@@ -142,9 +132,6 @@ class FirstComeFirstServed:
     def kv_victim(self, candidates: list[Sequence]) -> Sequence:
         return candidates[-1]  # the newest
 
-    def prefill_cap(self, running: list[Sequence], max_batch: int) -> tuple[frozenset[str | None], int]:
-        return frozenset(), 0
-
 
 class VirtualTokenCounter:
     """Per-tenant counters of weighted service; see the module docstring for the rules."""
@@ -156,7 +143,6 @@ class VirtualTokenCounter:
         weights: Mapping[str | None, float] | None = None,
         preempt: bool = False,
         isolate: bool = False,
-        prefill_cap: int | None = None,
     ):
         for name, w in (("w_prompt", w_prompt), ("w_output", w_output)):
             if not _positive(w):
@@ -164,10 +150,6 @@ class VirtualTokenCounter:
         self.w_prompt, self.w_output = float(w_prompt), float(w_output)
         self.preempt = preempt
         self.isolate = isolate  # only with preempt: a claim's first prefill step carries no yielder's token
-        cap = prefill_cap
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"VTC prefill_cap must be a number of tokens >= 1 or None, got {prefill_cap!r}")
-        self.prefill_cap_tokens = prefill_cap  # only with preempt: see prefill_cap()
         self.counters: dict[str | None, float] = {}
         self._weights: dict[str | None, float] = {}
         self._waiting: Counter[str | None] = Counter()  # tenant -> its requests in the waiting queue
@@ -261,18 +243,6 @@ class VirtualTokenCounter:
             victims += theirs[: count[u] - g[u]]
         return Claim(tuple(victims), frozenset(over) if self.isolate else frozenset())
 
-    def prefill_cap(self, running: list[Sequence], max_batch: int) -> tuple[frozenset[str | None], int]:
-        """The tenants whose prefill tokens this step are capped, and the cap (their tokens together): while a
-        light tenant is active, the others (see the module docstring). None capped: no light tenant, or the cap is
-        off. `running`: the sequences holding slots."""
-        if not self.preempt or self.prefill_cap_tokens is None:
-            return frozenset(), 0
-        demand = Counter(r.tenant for r in running) + self._waiting
-        g = self.guarantees(set(demand), max_batch)
-        if not any(demand[t] < g[t] for t in demand):
-            return frozenset(), 0
-        return frozenset(t for t in demand if demand[t] >= g[t]), self.prefill_cap_tokens
-
     def kv_victim(self, candidates: list[Sequence]) -> Sequence:
         """Out of KV blocks: without preempt, the newest (the scheduler's rule); with it, the newest of the most
         served tenant among the candidates, so a tenant behind does not pay for the flooder's growth."""
@@ -301,12 +271,9 @@ def make_policy(
     w_output: float = W_OUTPUT,
     preempt: bool = False,
     isolate: bool = False,
-    prefill_cap: int | None = None,
 ) -> FirstComeFirstServed | VirtualTokenCounter:
     if name == "vtc":
-        return VirtualTokenCounter(
-            w_prompt, w_output, preempt=preempt, isolate=isolate, prefill_cap=prefill_cap
-        )
+        return VirtualTokenCounter(w_prompt, w_output, preempt=preempt, isolate=isolate)
     if name == "fcfs":
         return FirstComeFirstServed()
     raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")

@@ -7,8 +7,6 @@ Which waiting request is admitted next is the admission policy's call (app/repli
 (FCFS), or between tenants by the Virtual Token Counter; running sequences are served oldest first either way.
 A policy with fair claims (VTC with preempt) may also make a waiting request jump ahead: it is admitted first in
 the step, taking a slot or KV blocks from tenants above their guarantee, and those tenants sit the step out.
-Such a policy may also cap the other tenants' prefill tokens per step while a light tenant (asking for fewer slots
-than its guarantee) is active, so that no step a light tenant's request can arrive behind is long.
 """
 
 from __future__ import annotations
@@ -182,7 +180,6 @@ class Scheduler:
         if self.waiting and self.policy.claims:
             budget = self._claim(batch, budget, claimed)
         out = batch.sitting_out
-        capped, allowance = self.policy.prefill_cap(self._slot_holders(), self.config.max_batch_size)
         # 1. running sequences, oldest first; when blocks run out, preempt one not yet scheduled (the policy's
         # pick: the newest, or the newest of the most-served tenant)
         held = {id(s) for s in self.held}
@@ -192,15 +189,7 @@ class Scheduler:
         while pending and budget > 0:
             seq = pending[0]
             n = min(seq.num_uncomputed, budget)
-            # a decode feeds one token: never capped
-            prefill = seq.num_uncomputed > 1 and seq.tenant in capped
-            if prefill:
-                n = min(n, allowance)
-                if n == 0:
-                    pending.pop(0)  # keeps its slot and KV, its next chunk waits for a step with allowance
-                    continue
             if self._grow(seq, n):
-                allowance -= n if prefill else 0
                 batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
                 budget -= n
                 pending.pop(0)
@@ -216,15 +205,12 @@ class Scheduler:
             for seq in self.policy.order(self.waiting):
                 if budget <= 0 or self._active() >= self.config.max_batch_size:
                     break
-                if seq.tenant in out or (seq.tenant in capped and allowance == 0) or not self.admit(seq):
+                if seq.tenant in out or not self.admit(seq):
                     continue
                 # prompt log probabilities need the logits of every prompt position: no cached prefix
                 if self.alloc.enable_prefix_caching and seq.params.prompt_logprobs is None:
                     self._reuse_prefix(seq)
                 n = min(seq.num_uncomputed, budget)
-                if seq.tenant in capped:
-                    n = min(n, allowance)
-                    allowance -= n
                 if not self._grow(seq, n):
                     self._free(seq)
                     self.release(seq)
@@ -232,10 +218,6 @@ class Scheduler:
                 self._start(seq, n, batch)
                 budget -= n
         return batch
-
-    def _slot_holders(self) -> list[Sequence]:
-        held = {id(s) for s in self.held}
-        return [s for s in self.running if id(s) not in held]
 
     def _active(self) -> int:
         return len(self.running) - len(self.held)
@@ -262,7 +244,8 @@ class Scheduler:
                 break
             if seq.tenant in refused:
                 continue
-            active = self._slot_holders()
+            held = {id(s) for s in self.held}
+            active = [s for s in self.running if id(s) not in held]
             claim = self.policy.claim(seq, active, self.config.max_batch_size)
             if claim is None:
                 refused.add(seq.tenant)
