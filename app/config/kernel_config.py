@@ -48,8 +48,9 @@ class KernelConfig:
     # in the step's budget, holding (KV kept) or preempting (recompute, when KV is short) sequences of tenants above
     # their share when the batch or the KV cache is full. Its TTFT no longer waits for a flooder's requests to
     # finish. On by default: with one tenant, or nobody above its share, admission is the paper's; under a flood
-    # the light tenant's TTFT p99 is 1.0-1.7x its TTFT alone (the paper's VTC: 3.4-6.3x) at the same throughput
-    # (load_tests/fairness.md). Only with scheduling_policy "vtc".
+    # the light tenant's TTFT p99 is 1.0-1.8x its TTFT alone in-process and 1.9-2.4x over HTTP on 2 cores (the
+    # paper's VTC: 3.4-6.3x; FCFS 37-54x) at the same throughput (load_tests/fairness.md). Only with
+    # scheduling_policy "vtc".
     vtc_preempt: bool = True
 
     def __post_init__(self) -> None:
