@@ -89,7 +89,7 @@ def test_views_are_built_once_per_stats_object(monkeypatch):
     # replicas that left without a death notice do not pile up in the cache
     router._replicas = {x.replica_id: x for x in reps[:1]}
     for i in range(20):
-        router._views[f"gone{i}"] = (None, 0, None)
+        router._views[f"gone{i}"] = (None, 0, False, None)
     choose(router, "y@1")
     assert set(router._views) == {"r0"}
 
@@ -145,7 +145,7 @@ def test_an_idle_replica_missing_from_rays_cache_is_chosen_from_its_fresh_stats(
 def test_stale_stats_and_unavailable_replicas_are_left_to_rays_probes():
     now = time.time()
     reps = replicas(3)
-    reps[0].routing_stats["at"] = now - request_router.STATS_SEED_MAX_AGE_S - 1  # stats stopped coming
+    reps[0].routing_stats["at"] = now - request_router.STATS_FRESH_S - 1  # stats stopped coming
     reps[1].routing_stats["at"] = now  # fresh, but Ray just found the actor unavailable
     reps[2].routing_stats["at"] = now
     router = router_over(reps)
@@ -159,3 +159,44 @@ def test_stale_stats_and_unavailable_replicas_are_left_to_rays_probes():
     router._unavailable_at[reps[1].replica_id.unique_id] = now - request_router.UNAVAILABLE_HOLD_S - 1
     choose(router, "")
     assert cache.get(reps[1].replica_id) == 0
+
+
+def test_stale_stats_do_not_count_as_load():
+    """A CI run: an idle replica's last stats to reach the router were from a burst 9 s earlier (64 running), so it
+    looked full and every stream went to the busy one. Stats older than STATS_FRESH_S still say what a replica
+    holds, but its load is then the router's own count of requests in flight."""
+    now = time.time()
+    reps = replicas(2)
+    reps[0].routing_stats.update(running=1, at=now)
+    reps[1].routing_stats.update(running=64, queue_len=10, kv_usage=0.99, resident=["a@1"], at=now - 9)
+    router = router_over(reps)
+    router.replica_queue_len_cache.update(reps[0].replica_id, 1)  # one stream in flight there
+    router.replica_queue_len_cache.update(reps[1].replica_id, 0)  # the burst finished: the router saw it end
+    assert ray_picks(router, "") == "r1"
+    assert choose(router, "a@1")[0] == ["r1"]  # still known to hold its adapter
+    # the same stats, fresh: r1 really is full, and the router believes it
+    reps[1].routing_stats = {**reps[1].routing_stats, "at": time.time()}
+    assert ray_picks(router, "") == "r0"
+
+
+def test_a_count_ray_left_high_is_lowered_by_the_replicas_own_newer_count():
+    """A quiet-machine run: Ray's cache held 10 requests for an idle replica (ends it never saw), so six streams in a
+    row went to the other one. Fresh stats taken after this router's last send there carry the replica's own
+    count of generate() calls, which replaces the higher one; stats older than that send do not."""
+    now = time.time()
+    reps = replicas(2)
+    reps[0].routing_stats.update(ongoing=1, running=1, at=now)
+    reps[1].routing_stats.update(ongoing=0, at=now)
+    router = router_over(reps)
+    router.replica_queue_len_cache.update(reps[0].replica_id, 1)
+    router.replica_queue_len_cache.update(reps[1].replica_id, 10)  # leaked
+    router._last_sent[reps[1].replica_id.unique_id] = now - 5
+    assert ray_picks(router, "") == "r1"
+    assert router.replica_queue_len_cache.get(reps[1].replica_id) == 0
+    # a send after the stats were taken: they may not count it, so the router keeps its own count
+    router2 = router_over(reps)
+    router2.replica_queue_len_cache.update(reps[0].replica_id, 1)
+    router2.replica_queue_len_cache.update(reps[1].replica_id, 10)
+    router2._last_sent[reps[1].replica_id.unique_id] = now + 1
+    assert ray_picks(router2, "") == "r0"
+    assert router2.replica_queue_len_cache.get(reps[1].replica_id) == 10

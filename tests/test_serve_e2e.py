@@ -378,8 +378,9 @@ def test_poison_requests_fail_alone_on_two_replicas(cluster):
                 return replies, min(first_reply)
 
             # Streams one after the other until both replicas run one: the router must send the second to the
-            # idle replica (Ray's queue-length cache alone kept choosing the busy one under CI load; the router
-            # now fills the idle one's entry from its stats: tests/test_request_router.py).
+            # idle replica (tests/test_request_router.py covers the three ways it used not to: an idle replica
+            # missing from Ray's queue-length cache, one whose late stats still showed a burst, and one whose
+            # count Ray left high).
             tasks = []
             for _ in range(6):
                 started = asyncio.Event()

@@ -67,6 +67,7 @@ class ReplicaCore:
         self.kernel = kernel if kernel is not None else LLMKernel(cfg.model, cfg.kernel, hub=self.hub)
         self._held: dict[str, str] = {}  # ref -> name, adapters this replica registered with its kernel
         self._loading: dict[str, asyncio.Future] = {}
+        self._generating = 0  # generate() calls in progress: the routers correct their counts with it
         self._unloadable: dict[str, str] = {}  # ref -> why its load failed here (never retried; bounded)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -213,6 +214,7 @@ class ReplicaCore:
             "running": int(s.get("running", 0)),
             "kv_usage": float(s.get("kv_usage", 0.0)),
             "loading": sorted(self._loading),
+            "ongoing": self._generating,
             "at": time.time(),  # wall clock: the router compares it with when it sent an adapter here
             **self.extra,
         }
@@ -346,6 +348,14 @@ class ReplicaCore:
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
+        self._generating += 1
+        try:
+            async for item in self._generate(request):
+                yield item
+        finally:
+            self._generating -= 1
+
+    async def _generate(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
         yield ReplicaHello(self.replica_id)
         replica_metrics.note_request(request.records)
         try:

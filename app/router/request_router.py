@@ -12,7 +12,10 @@ and only probes the others in the background, with a 0.1 s deadline that a busy 
 an idle replica that has not been sent anything for the cache's 10 s stays uncached and is never chosen while a
 busy one has room (a clean-clone CI run saw six long streams in a row go to one replica beside an idle one).
 The router therefore fills a missing cache entry from the replica's own recent stats (its running + queued
-sequences), which Ray then compares like any probe result.
+sequences), which Ray then compares like any probe result. Stats older than STATS_FRESH_S say nothing about load
+(a burst seconds ago would keep an idle replica "full"): its load is then the router's own count of requests
+in flight. That count can stay high when Ray misses a request's end; fresh stats taken after this router's
+last send there lower it to the replica's own count of generate() calls in progress.
 """
 
 from __future__ import annotations
@@ -32,11 +35,19 @@ logger = logging.getLogger("ray.serve")
 
 # How long a "just sent there" memory counts without the replica's stats confirming it.
 ASSIGNMENT_TTL_S = 30.0
-# A replica's stats at most this old stand in for a missing queue-length cache entry (stats come every
-# routing_stats_period_s, 1 s by default, through the controller's long poll, which lags on a busy machine).
-STATS_SEED_MAX_AGE_S = 5.0
+# A replica's stats at most this old count as its load, and stand in for a missing queue-length cache entry
+# (stats come every routing_stats_period_s, 1 s by default, through the controller's long poll, which lags on a
+# busy machine). Older ones still say which adapters it holds.
+STATS_FRESH_S = 3.0
+_LOAD_KEYS = ("running", "queue_len", "kv_usage")
 # After Ray reports a replica unavailable, it is left to Ray's own probes for this long (no stats seeding).
 UNAVAILABLE_HOLD_S = 10.0
+
+
+def stats_are_fresh(stats: dict | None, now: float) -> bool:
+    """Whether a replica's routing stats are recent enough to count as its load."""
+    at = (stats or {}).get("at")
+    return at is not None and now - at <= STATS_FRESH_S
 
 
 def adapters_of(model_id: str) -> list[str]:
@@ -62,8 +73,9 @@ class AdapterAffinityRouter(RequestRouter):
         # Per replica: the view built from its last stats object and in-flight count. Stats change once a stats
         # period, most replicas' counts not at all between two requests; building every view per request cost
         # ~30 ms at 1,000 replicas (tests/test_request_router.py).
-        self._views: dict[str, tuple[object, int, ReplicaView]] = {}
+        self._views: dict[str, tuple[object, int, bool, ReplicaView]] = {}
         self._unavailable_at: dict[str, float] = {}  # replica unique id -> when Ray last found it unavailable
+        self._last_sent: dict[str, float] = {}  # replica unique id -> when this router last sent it a request
 
     def _state_ready(self) -> None:
         # initialize_state is only called when request_router_kwargs are given; be safe either way.
@@ -74,12 +86,23 @@ class AdapterAffinityRouter(RequestRouter):
         """Requests in flight at `r`: Ray's cached count, else (filling the cache) the count in its fresh stats."""
         cache = self.replica_queue_len_cache
         known = cache.get(r.replica_id)
-        if known is not None:
-            return known
         stats = r.routing_stats or {}
-        at = stats.get("at")
         uid = r.replica_id.unique_id
-        if at is None or now - at > STATS_SEED_MAX_AGE_S:
+        if known is not None:
+            # Ray's count can stay high (a request whose end it did not see: a CI run had an idle replica stuck
+            # at 10 and every stream sent elsewhere). The replica's own count, taken after this router's last
+            # send there, is the truth then.
+            theirs = stats.get("ongoing")
+            if (
+                theirs is not None
+                and theirs < known
+                and stats_are_fresh(stats, now)
+                and stats["at"] > self._last_sent.get(uid, 0.0)
+            ):
+                cache.update(r.replica_id, int(theirs))
+                return int(theirs)
+            return known
+        if not stats_are_fresh(stats, now):
             return 0  # no recent stats: Ray probes it
         if now - self._unavailable_at.get(uid, now - UNAVAILABLE_HOLD_S) < UNAVAILABLE_HOLD_S:
             return 0  # Ray found it unavailable lately: leave it to Ray's probes
@@ -120,21 +143,26 @@ class AdapterAffinityRouter(RequestRouter):
         if len(self._views) > 2 * len(by_uid) + 8:  # replicas gone without a death notice (scaled down)
             self._views = {uid: v for uid, v in self._views.items() if uid in by_uid}
             self._unavailable_at = {u: t for u, t in self._unavailable_at.items() if u in by_uid}
+            self._last_sent = {u: t for u, t in self._last_sent.items() if u in by_uid}
         views = []
         now = time.time()
         for r in candidate_replicas:
             uid, stats = r.replica_id.unique_id, r.routing_stats
             # The router's own count of requests in flight is fresher than the replica's last stats.
             ongoing = self._queue_len(r, now)
+            fresh = stats_are_fresh(stats, now)
             cached = self._views.get(uid)
-            if cached is None or cached[0] is not stats:
-                view = view_from_stats(uid, stats, ongoing=ongoing, max_ongoing=r.max_ongoing_requests)
-                self._views[uid] = (stats, ongoing, view)
-            elif cached[1] != ongoing or cached[2].max_ongoing != r.max_ongoing_requests:
-                view = dataclasses.replace(cached[2], ongoing=ongoing, max_ongoing=r.max_ongoing_requests)
-                self._views[uid] = (stats, ongoing, view)
+            if cached is None or cached[0] is not stats or cached[2] != fresh:
+                load_stats = (
+                    stats if fresh else {k: v for k, v in (stats or {}).items() if k not in _LOAD_KEYS}
+                )
+                view = view_from_stats(uid, load_stats, ongoing=ongoing, max_ongoing=r.max_ongoing_requests)
+                self._views[uid] = (stats, ongoing, fresh, view)
+            elif cached[1] != ongoing or cached[3].max_ongoing != r.max_ongoing_requests:
+                view = dataclasses.replace(cached[3], ongoing=ongoing, max_ongoing=r.max_ongoing_requests)
+                self._views[uid] = (stats, ongoing, fresh, view)
             else:
-                view = cached[2]
+                view = cached[3]
             views.append(view)
         needed = adapters_of(model_id) if model_id else []
         recent = self._recent_placement(needed)
@@ -151,6 +179,7 @@ class AdapterAffinityRouter(RequestRouter):
             stats = getattr(replica, "routing_stats", None)
             record_decision(needed, stats, self._recent_placement(needed), replica_id.unique_id)
         now = time.time()
+        self._last_sent[replica_id.unique_id] = now
         for adapter in needed:
             self._memory.record(adapter, replica_id.unique_id, now)
 
@@ -165,3 +194,4 @@ class AdapterAffinityRouter(RequestRouter):
         self._memory.forget_replica(replica_id.unique_id)
         self._views.pop(replica_id.unique_id, None)
         self._unavailable_at.pop(replica_id.unique_id, None)
+        self._last_sent.pop(replica_id.unique_id, None)
