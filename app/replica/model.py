@@ -334,8 +334,8 @@ class Model:
             if win is not None:
                 mask &= pos >= lens - win
             # A query head's group of heads sharing one KV head as that KV head's query rows ([Bd, Hkv, group,
-            # d]): the same attention as enable_gqa with one query row, but CPU SDPA's flash kernel runs it 7x
-            # faster in bf16 (1.7x in fp32) with the same error (load_tests/bench_attention.py).
+            # d]): the same attention as enable_gqa with one query row, but CPU SDPA's flash kernel runs it 6-7x
+            # faster in bf16 (1.3-1.7x in fp32) with the same error (load_tests/bench_attention.py).
             qd = q.index_select(0, b.decode_idx).view(bt.shape[0], c.num_kv_heads, -1, c.head_dim)
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask[:, None, None, :])
             out.index_copy_(0, b.decode_idx, o.view(bt.shape[0], c.num_heads, c.head_dim))

@@ -11,8 +11,8 @@ Ray picks within a tier by its queue-length cache: when any candidate is cached 
 and only probes the others in the background, with a 0.1 s deadline that a busy 2-core machine often misses. So
 an idle replica that has not been sent anything for the cache's 10 s stays uncached and is never chosen while a
 busy one has room (a clean-clone CI run saw six long streams in a row go to one replica beside an idle one).
-The router therefore fills a missing cache entry from the replica's own recent stats (its running + queued
-sequences), which Ray then compares like any probe result. Stats older than STATS_FRESH_S say nothing about load
+The router therefore fills a missing cache entry from the replica's own recent stats (its count of requests in
+progress), which Ray then compares like any probe result. Stats older than STATS_FRESH_S say nothing about load
 (a burst seconds ago would keep an idle replica "full"): its load is then the router's own count of requests
 in flight. That count can stay high when Ray misses a request's end; fresh stats taken after this router's
 last send there lower it to the replica's own count of generate() calls in progress.
@@ -88,27 +88,24 @@ class AdapterAffinityRouter(RequestRouter):
         known = cache.get(r.replica_id)
         stats = r.routing_stats or {}
         uid = r.replica_id.unique_id
+        theirs = stats.get("ongoing")  # the replica's own count of generate() calls in progress
+        if theirs is None:  # a replica without the field: its kernel's sequences
+            theirs = int(stats.get("running") or 0) + int(stats.get("queue_len") or 0)
+        theirs = int(theirs)
         if known is not None:
-            # Ray's count can stay high (a request whose end it did not see: a CI run had an idle replica stuck
-            # at 10 and every stream sent elsewhere). The replica's own count, taken after this router's last
-            # send there, is the truth then.
-            theirs = stats.get("ongoing")
-            if (
-                theirs is not None
-                and theirs < known
-                and stats_are_fresh(stats, now)
-                and stats["at"] > self._last_sent.get(uid, 0.0)
-            ):
-                cache.update(r.replica_id, int(theirs))
-                return int(theirs)
+            # Ray's count can stay high (request ends it did not see: an e2e run had an idle replica stuck at 10
+            # and six streams in a row sent to the other). The replica's own count, taken after this router's
+            # last send there, is the truth then.
+            if theirs < known and stats_are_fresh(stats, now) and stats["at"] > self._last_sent.get(uid, 0.0):
+                cache.update(r.replica_id, theirs)
+                return theirs
             return known
         if not stats_are_fresh(stats, now):
             return 0  # no recent stats: Ray probes it
         if now - self._unavailable_at.get(uid, now - UNAVAILABLE_HOLD_S) < UNAVAILABLE_HOLD_S:
             return 0  # Ray found it unavailable lately: leave it to Ray's probes
-        n = int(stats.get("running") or 0) + int(stats.get("queue_len") or 0)
-        cache.update(r.replica_id, n)
-        return n
+        cache.update(r.replica_id, theirs)
+        return theirs
 
     def _recent_placement(self, adapters: list[str]) -> dict[str, list[str]]:
         """Where this router sent each of `adapters` within its memory, live replicas only (the warm ones)."""
