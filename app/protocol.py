@@ -2,7 +2,9 @@
 
 The ingress sends one `ReplicaRequest`; the replica streams back a `ReplicaHello` (which replica took it),
 then `ChoiceDelta`s (new text per choice, possibly several piled-up deltas coalesced into one), and ends the
-stream, or sends one `Failure` and ends. A `Failure` carries the error's class name, message and whether a
+stream, or sends one `Failure` and ends. New output of several choices found at one wake-up (n > 1, several
+prompts: each engine step has a token for every choice) travels as one `DeltaBatch`: every item is a Ray message
+and an actor hop, so a request costs one message per step, not one per choice. A `Failure` carries the error's class name, message and whether a
 retry may succeed; only the ingress maps it to an HTTP status (app/router/http_errors.py). The one rule that
 turns a failure back into an exception is `Failure.to_exception`.
 """
@@ -149,7 +151,14 @@ class ChoiceDelta:
         self.completion_tokens = later.completion_tokens
 
 
-ReplyItem = ReplicaHello | ChoiceDelta | Failure
+@dataclass(frozen=True)
+class DeltaBatch:
+    """The new output of several choices of one request, in one message (at most one delta per choice)."""
+
+    deltas: tuple[ChoiceDelta, ...]
+
+
+ReplyItem = ReplicaHello | ChoiceDelta | DeltaBatch | Failure
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,23 @@
 """Where the CPU goes when workload W is served over HTTP: CPU seconds per process of `loraland serve` (the
-replica, the ingress, Serve's proxy and controller, Ray's own daemons) and of the client, for one pass.
+replica, the ingress, Serve's proxy and controller, Ray's own daemons) and of the client, per pass; with
+--adapters N, also P7 (issue 13): HTTP / engine-direct output tok/s, both measured in each pass.
 
-    python -m load_tests.bench_http_cpu [--passes 2]
+    python -m load_tests.bench_http_cpu [--passes 2] [--adapters 200]
+
+--adapters N: requests pick uniformly among N rank-16 q,v adapters (registered over HTTP first), and each pass
+runs W engine-direct too (an LLMKernel with the same engine settings and adapters, in a child process, while
+the idle server's CPU is counted alongside), right before the HTTP run, so one pass gives one P7 ratio.
 
 The replica's share is the work in-process serving would do too; everything else is the price of HTTP and of the
-actor hops (issue 13's P7). Run it alone: on 2 cores every other process's CPU comes out of the replica's.
+actor hops. Run it alone: on 2 cores every other process's CPU comes out of the replica's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -61,38 +68,102 @@ def cpu_by_role(root: psutil.Process) -> dict[str, float]:
     return out
 
 
+def engine_direct(n: int) -> float:
+    """W's output tok/s in-process (bench_lora's measurement): n q,v adapters picked uniformly, or the base.
+    The first of two runs is untimed, like the HTTP runs' warm-up (first calls of each GEMM shape pack and JIT)."""
+    from load_tests.bench_lora import interleaved, pick
+
+    model_dir, store = _bench_assets(max(n, 10))
+    adapters = {f"qv{i}": store / f"qv{i}" for i in range(n)}
+    ids = pick(list(adapters), 64) if n else [None] * 64
+    a = argparse.Namespace(requests=64, prompt_len=128, new=64, repeats=2)
+    return interleaved(model_dir, adapters, {"engine": ids}, a)["engine"][-1]
+
+
+def _print_split(spent: dict[str, float]) -> None:
+    total = sum(spent.values())
+    for r, s in sorted(spent.items(), key=lambda kv: -kv[1]):
+        if s > 0.05:
+            print(f"  {r:28} {s:7.2f} CPU s  {100 * s / total:5.1f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--adapters", type=int, default=0, help="0: the base model; N: uniform over N adapters")
+    ap.add_argument("--engine-direct", action="store_true", help=argparse.SUPPRESS)  # the child's job
     a = ap.parse_args()
-    model_dir, store = _bench_assets(10)
+    if a.engine_direct:
+        print(json.dumps({"tok_s": engine_direct(a.adapters)}))
+        return
+    model_dir, store = _bench_assets(max(a.adapters, 10))
     out = Path(tempfile.mkdtemp(prefix="httpcpu-"))
     args = ["--adapter-store", str(store), "--max-adapters", "64", "--max-batch-size", "64"]
     args += ["--max-num-batched-tokens", "4096"]
-    with loraland_serve(model_dir, out / "serve.log", *args) as url:
+    env = {"LORALAND_CACHE_DIR": str(out / "cache")}
+    pick = ["--popularity", "base"]
+    if a.adapters:
+        pick = ["--adapter-prefix", "qv", "--num-adapters", str(a.adapters), "--popularity", "uniform"]
+    ratios = []
+    with loraland_serve(model_dir, out / "serve.log", *args, env=env) as url:
+        if a.adapters:
+            import httpx
+
+            with httpx.Client(base_url=url, timeout=120) as c:
+                for i in range(a.adapters):
+                    r = c.post("/v1/adapters", json={"name": f"qv{i}"})
+                    if r.status_code not in (200, 201):
+                        raise RuntimeError(f"registering qv{i}: {r.status_code} {r.text}")
+            # Engine-direct holds every adapter in memory before it is timed: so does the server after this run
+            # (each adapter once, W's shapes: every GEMM shape is packed and tuned before the first pass, too).
+            subprocess.run(
+                [sys.executable, "-m", "load_tests.bench_serving", "--base-url", f"{url}/v1", "--model", "base",
+                 *WORKLOAD, "--num-requests", str(a.adapters), "--warmup-runs", "0", "--adapter-prefix", "qv",
+                 "--num-adapters", str(a.adapters), "--popularity", "distinct"],
+                capture_output=True, check=True,
+            )  # fmt: skip
         server = next(
             p
             for p in psutil.process_iter()
             if "app.cli" in " ".join(p.cmdline() or []) and "serve" in p.cmdline()
         )
         for k in range(a.passes):
+            engine = None
+            if a.adapters:
+                before = cpu_by_role(server)
+                child = subprocess.run(
+                    [sys.executable, "-m", "load_tests.bench_http_cpu", "--engine-direct",
+                     "--adapters", str(a.adapters)],
+                    capture_output=True, text=True, check=True, env={**os.environ, **env},
+                )  # fmt: skip
+                engine = json.loads(child.stdout.strip().splitlines()[-1])["tok_s"]
+                idle = sum(cpu_by_role(server).values()) - sum(before.values())
             before = cpu_by_role(server)
-            t = time.monotonic()
+            t, ru = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
             client = subprocess.run(
                 [sys.executable, "-m", "load_tests.bench_serving", "--base-url", f"{url}/v1", "--model", "base",
-                 *WORKLOAD, "--popularity", "base", "--label", "ours", "--out", str(out / f"pass{k}.json")],
+                 *WORKLOAD, *pick, "--label", "ours", "--out", str(out / f"pass{k}.json")],
                 capture_output=True, text=True,
             )  # fmt: skip
             wall = time.monotonic() - t
             after = cpu_by_role(server)
+            ru2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            after["client (bench_serving)"] = ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime
             res = json.loads((out / f"pass{k}.json").read_text())
-            tok_s = round(res["runs"][0]["summary"]["output_tokens_per_s"], 1)
-            spent = {r: round(after[r] - before.get(r, 0.0), 2) for r in after}
-            total = sum(spent.values())
-            print(f"pass {k + 1}: wall {wall:.1f}s, output {tok_s} tok/s, client rc {client.returncode}")
-            for r, s in sorted(spent.items(), key=lambda kv: -kv[1]):
-                if s > 0.05:
-                    print(f"  {r:28} {s:7.2f} CPU s  {100 * s / total:5.1f}%")
+            tok_s = round(res["runs"][-1]["summary"]["output_tokens_per_s"], 1)
+            print(
+                f"pass {k + 1}: wall {wall:.1f}s, output {tok_s} tok/s over HTTP, client rc {client.returncode}"
+            )
+            if engine is not None:
+                ratios.append(tok_s / engine)
+                print(
+                    f"  engine-direct {engine:.1f} tok/s (idle server meanwhile: {idle:.2f} CPU s); "
+                    f"P7 = {tok_s:.1f} / {engine:.1f} = {ratios[-1]:.3f}"
+                )
+            print("  CPU of the HTTP pass (warm-up run + timed run), by process:")
+            _print_split({r: round(after[r] - before.get(r, 0.0), 2) for r in after})
+    if ratios:
+        print("P7 per pass: " + " / ".join(f"{r:.3f}" for r in ratios))
 
 
 if __name__ == "__main__":

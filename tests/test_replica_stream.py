@@ -1,5 +1,6 @@
-"""The replica's output stream: deltas that pile up while the consumer is busy leave as one item per choice,
-and the reply speaks app/protocol.py (a ReplicaHello, ChoiceDeltas, or one Failure)."""
+"""The replica's output stream: deltas that pile up while the consumer is busy leave as one delta per choice, all
+choices in one item (a DeltaBatch), and the reply speaks app/protocol.py (a ReplicaHello, ChoiceDeltas or
+DeltaBatches, or one Failure); the ingress's ReplicaStream hands a batch's deltas out one at a time."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pickle
 import pytest
 
 from app.config.app_config import AppConfig
-from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest
+from app.protocol import ChoiceDelta, DeltaBatch, Failure, ReplicaHello, ReplicaRequest
 from app.replica.core import ReplicaCore
 from app.replica.engine import Delta
 
@@ -44,14 +45,16 @@ def core(kernel) -> ReplicaCore:
     return ReplicaCore(AppConfig(model="m", redis_url=None), "r1", kernel=kernel, catalog=None)
 
 
-async def collect(c: ReplicaCore, n: int = 1) -> list[ChoiceDelta]:
+async def collect(c: ReplicaCore, n: int = 1) -> list[ChoiceDelta | DeltaBatch]:
     return [item async for item in c._fan_in(["p"], None, n, {})]
 
 
-def test_piled_up_deltas_leave_as_one_item_per_choice(monkeypatch):
+def test_piled_up_deltas_leave_as_one_item_with_one_delta_per_choice(monkeypatch):
     monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
-    items = asyncio.run(collect(core(BurstKernel([" a", " b", " c"])), n=2))
-    # Both choices ran to the end before the consumer first ran: one item each, text and counts whole.
+    [batch] = asyncio.run(collect(core(BurstKernel([" a", " b", " c"])), n=2))
+    # Both choices ran to the end before the consumer first ran: one message, one delta per choice, each whole.
+    assert isinstance(batch, DeltaBatch)
+    items = batch.deltas
     assert sorted(i.index for i in items) == [0, 1]
     for it in items:
         assert (it.text, it.finish_reason, it.completion_tokens, it.prompt_tokens) == (
@@ -78,9 +81,50 @@ def test_generate_replies_with_a_hello_then_deltas_or_one_failure(monkeypatch):
         return [item async for item in core(kernel).generate(request)]
 
     ok = asyncio.run(reply(BurstKernel([" a", " b"])))
-    assert ok[0] == ReplicaHello("r1") and all(isinstance(i, ChoiceDelta) for i in ok[1:])
-    assert sorted(i.index for i in ok[1:]) == [0, 1]
+    assert ok[0] == ReplicaHello("r1") and all(isinstance(i, DeltaBatch) for i in ok[1:])
+    assert sorted(d.index for i in ok[1:] for d in i.deltas) == [0, 1]
+    assert pickle.loads(pickle.dumps(ok)) == ok
     failed = asyncio.run(reply(BurstKernel([" a", " b"], fail_after=1)))
     assert failed[0] == ReplicaHello("r1") and isinstance(failed[-1], Failure)
     assert failed[-1] == Failure("AdapterUnavailable", "adapter x could not be loaded", retryable=True)
     assert pickle.loads(pickle.dumps(failed)) == failed  # what crosses Ray is plain picklable data
+
+
+class ListBackend:
+    """A Backend whose replica replies with the given items."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def stream(self, request, model_id):
+        async def items():
+            for it in self.items:
+                yield it
+
+        return items()
+
+
+def test_replica_stream_hands_a_batch_out_one_delta_at_a_time():
+    from app.router.replica_client import ReplicaStream
+
+    items = [
+        ReplicaHello("r1"),
+        DeltaBatch((ChoiceDelta(0, "a", None, 3, 1), ChoiceDelta(1, "x", None, 3, 1))),
+        ChoiceDelta(1, "y", "length", 3, 2),
+        DeltaBatch((ChoiceDelta(0, "b", "stop", 3, 2),)),
+    ]
+
+    async def read() -> tuple[list, ReplicaStream]:
+        s = ReplicaStream(ListBackend(items), ReplicaRequest("cmpl-1", prompts=("p",), n=2), "", 5.0)
+        got = [await s.open()]
+        while (d := await s.next()) is not None:
+            got.append(d)
+        return got, s
+
+    got, s = asyncio.run(read())
+    assert [(d.index, d.text) for d in got] == [(0, "a"), (1, "x"), (1, "y"), (0, "b")]
+    assert s.replica == "r1"
+    assert {i: (c.text, c.finish_reason) for i, c in s.choices.items()} == {
+        0: ("ab", "stop"),
+        1: ("xy", "length"),
+    }

@@ -23,6 +23,7 @@ from app.config.settings import Settings
 from app.errors import AdapterUnavailable, InvalidAdapter, LoraLandError
 from app.protocol import (
     ChoiceDelta,
+    DeltaBatch,
     Failure,
     ReplicaHello,
     ReplicaRequest,
@@ -388,8 +389,9 @@ class ReplicaCore:
         *,
         tenant: str | None = None,
         echo: bool = False,
-    ) -> AsyncIterator[ChoiceDelta]:
-        """All choices (prompts x n) run concurrently in the kernel's batch; deltas interleave by index. A
+    ) -> AsyncIterator[ChoiceDelta | DeltaBatch]:
+        """All choices (prompts x n) run concurrently in the kernel's batch; what they produced by each time the
+        consumer runs leaves as one item: a ChoiceDelta, or a DeltaBatch of one delta per choice. A
         failed sequence raises out of its kernel stream (LLMKernel.generate), and so out of this one. With
         `echo`, each choice's first delta carries its prompt's text (token ids decoded)."""
         first: set[int] = set()  # choices whose first delta went out
@@ -422,8 +424,9 @@ class ReplicaCore:
                 got = [await queue.get()]
                 while not queue.empty():
                     got.append(queue.get_nowait())
-                # Whatever piled up while the consumer was busy goes out as one item per choice: every item
-                # costs a Ray message and an SSE event downstream, so a lagging stream catches up in one.
+                # Whatever piled up while the consumer was busy goes out as one item: one delta per choice
+                # (a lagging stream catches up in one), all choices in one message (each Ray message costs
+                # CPU in this process, the ingress and the proxy alike).
                 items: dict[int, ChoiceDelta] = {}
                 for index, d, exc in got:
                     if exc is not None:
@@ -448,8 +451,8 @@ class ReplicaCore:
                         items[index].merge(delta)
                     else:
                         items[index] = delta
-                for item in items.values():
-                    yield item
+                batch = tuple(items.values())
+                yield batch[0] if len(batch) == 1 else DeltaBatch(batch)
         finally:
             for t in tasks:  # a client that went away aborts its sequences in the kernel
                 t.cancel()

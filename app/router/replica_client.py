@@ -3,7 +3,7 @@
 A Backend streams a request's reply items from a replica: Ray Serve's handle in production (`ServeBackend`:
 the adapter ref is the multiplexed model id, so the affinity router sees it), or a ReplicaCore in the same
 process for tests of the HTTP layer (app/replica/deployment.py's LocalBackend). `ReplicaStream` turns the
-items into ChoiceDeltas, raises a replica's in-band Failure as `RequestFailed` (app/router/http_errors.py maps
+items into ChoiceDeltas (a DeltaBatch into its deltas, one at a time), raises a replica's in-band Failure as `RequestFailed` (app/router/http_errors.py maps
 it through the same table as any exception), and sends the request again, up to MAX_ATTEMPTS times in all, when
 its replica died before it produced output (counted in loraland_replica_retries).
 """
@@ -14,12 +14,21 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from app import metrics
 from app.errors import LoraLandError
-from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, ReplyItem, RequestFailed
+from app.protocol import (
+    ChoiceDelta,
+    DeltaBatch,
+    Failure,
+    ReplicaHello,
+    ReplicaRequest,
+    ReplyItem,
+    RequestFailed,
+)
 from app.router.http_errors import replica_failed
 
 log = logging.getLogger("loraland.ingress")
@@ -28,6 +37,10 @@ log = logging.getLogger("loraland.ingress")
 # once); between attempts a short pause lets the router hear of the death and the deployment start a replacement.
 MAX_ATTEMPTS = 3
 RETRY_PAUSE_S = (0.05, 0.25)
+
+# A deadline for one read without a Task per read (asyncio.wait_for makes one before Python 3.12): a read per
+# token makes that measurable in the ingress.
+_timeout = getattr(asyncio, "timeout", None)
 
 
 class Backend(Protocol):
@@ -60,6 +73,7 @@ class ReplicaStream:
         self.choices: dict[int, ChoiceDelta] = {}
         self.first_delta_at: float | None = None  # time.monotonic() of the first delta read (TTFT)
         self._items: AsyncIterator[ReplyItem] | None = None
+        self._ready: deque[ChoiceDelta] = deque()  # read but not yet handed out (the rest of a DeltaBatch)
         self._done = False
         self._deaths = 0  # replicas that died under this request before it produced output
 
@@ -73,7 +87,8 @@ class ReplicaStream:
                 if isinstance(item, ReplicaHello):
                     self.replica = item.replica_id
                     item = await self._read()
-                return self._take(item)
+                self._take(item)
+                return self._ready.popleft()
             except StopAsyncIteration:
                 raise LoraLandError(
                     "the replica ended the reply before any output; retry the request"
@@ -86,12 +101,14 @@ class ReplicaStream:
 
     async def next(self) -> ChoiceDelta | None:
         """The next delta, or None when the reply is complete; a Failure raises RequestFailed."""
-        try:
-            item = await self._read()
-        except StopAsyncIteration:
-            self._done = True
-            return None
-        return self._take(item)
+        if not self._ready:
+            try:
+                item = await self._read()
+            except StopAsyncIteration:
+                self._done = True
+                return None
+            self._take(item)
+        return self._ready.popleft()
 
     async def collect(self) -> dict[int, ChoiceDelta]:
         """Run to completion; a replica death mid-way sends it again (nothing was sent to the client yet), up to
@@ -142,16 +159,25 @@ class ReplicaStream:
 
     def _start(self) -> None:
         self.replica, self.choices, self._done, self.first_delta_at = None, {}, False, None
+        self._ready.clear()
         self._items = self.backend.stream(self.request, self.model_id)
 
     async def _read(self) -> ReplyItem:
         if self._items is None:
             raise LoraLandError("the replica stream was cancelled; open the request again")
-        return await asyncio.wait_for(self._items.__anext__(), timeout=self.timeout_s)
+        if _timeout is None:
+            return await asyncio.wait_for(self._items.__anext__(), timeout=self.timeout_s)
+        async with _timeout(self.timeout_s):
+            return await self._items.__anext__()
 
-    def _take(self, item: ReplyItem) -> ChoiceDelta:
+    def _take(self, item: ReplyItem) -> None:
+        """Record a reply item's deltas in `choices` and queue them for the caller; a Failure raises."""
         if isinstance(item, Failure):
             raise RequestFailed(item)
+        if isinstance(item, DeltaBatch):
+            for delta in item.deltas:
+                self._take(delta)
+            return
         if not isinstance(item, ChoiceDelta):
             raise LoraLandError(f"the replica sent {type(item).__name__} where a ChoiceDelta belongs")
         if self.first_delta_at is None:
@@ -162,4 +188,4 @@ class ReplicaStream:
             self.choices[item.index] = dataclasses.replace(item, logprobs=logprobs)
         else:
             held.merge(item)
-        return item
+        self._ready.append(item)
