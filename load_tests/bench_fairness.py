@@ -53,6 +53,13 @@ class Phase:
     )  # engine arrival -> admission, seconds (no client side)
     pending_b: int = 0  # B requests sent in the window still waiting for their first token
     steps: list[float] = field(default_factory=list)  # engine step durations in the window, seconds
+    # B's engine-side TTFT split, per B request of the window: arrival -> start of the step that carries its first
+    # chunk (the rest of the step in flight, and any step it waited through), and that step's duration
+    wait_b: list[float] = field(default_factory=list)
+    own_b: list[float] = field(default_factory=list)
+    engine_ttft_b: list[float] = field(
+        default_factory=list
+    )  # arrival -> end of the step sampling its 1st token
 
     def in_window(self, t: float) -> bool:
         return self.start <= t < self.end
@@ -124,13 +131,33 @@ class Bench:
             admitted(seq)
 
         kernel.fairness.admitted = timed_admission
-        step = kernel.engine.step
+        step, schedule = kernel.engine.step, kernel.engine.scheduler.schedule
+        started: dict[int, float] = {}  # B sequence -> when the step carrying its first chunk started
+        t_step = [0.0]
+
+        def traced_schedule():
+            batch = schedule()
+            for it in batch.items:
+                if it.seq.tenant == "b" and id(it.seq) not in started and it.start == 0:
+                    started[id(it.seq)] = t_step[0]
+            return batch
+
+        kernel.engine.scheduler.schedule = traced_schedule
 
         def timed_step() -> bool:  # the engine thread's steps: how long a request arriving mid-step waits
-            t0 = time.perf_counter()
+            t0 = t_step[0] = time.perf_counter()
             ran = step()
-            if ran and self.phase is not None and self.phase.in_window(t0):
-                self.phase.steps.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            ph = self.phase
+            if ran and ph is not None and ph.in_window(t0):
+                ph.steps.append(t1 - t0)
+            for seq in list(kernel.engine.scheduler.running) if ran else ():
+                if seq.tenant == "b" and len(seq.output_ids) == 1 and id(seq) in started:
+                    begun = started.pop(id(seq))  # monotonic and perf_counter: the same clock on Linux
+                    if ph is not None and ph.in_window(seq.arrival):
+                        ph.wait_b.append(begun - seq.arrival)
+                        ph.own_b.append(t1 - begun)
+                        ph.engine_ttft_b.append(t1 - seq.arrival)
             return ran
 
         kernel.engine.step = timed_step
@@ -191,6 +218,10 @@ async def measure(kernel, a: argparse.Namespace) -> dict:
         "flood_step_p50": pct(flood.steps, 50),
         "flood_step_p99": pct(flood.steps, 99),
     }
+    for name, ph in (("alone", alone), ("flood", flood)):  # B's engine-side TTFT, split
+        for part in ("wait", "own", "engine_ttft"):
+            xs = getattr(ph, part + "_b")
+            row[f"{name}_b_{part}_p50"], row[f"{name}_b_{part}_p99"] = pct(xs, 50), pct(xs, 99)
     row["ttft_p99_ratio"] = row["flood_b_ttft_p99"] / row["b_alone_ttft_p99"]
     row["throughput_ratio"] = row["flood_tok_s"] / row["saturated_tok_s"]
     return row
@@ -247,6 +278,8 @@ def main() -> None:
         ) as k:
             if "+isolate" in policy:
                 k.fairness.isolate = True
+            if "+lp" in policy:  # e.g. vtc+preempt+lp16: VirtualTokenCounter.light_prefill = 16
+                k.fairness.light_prefill = int(policy.split("+lp")[1].split("+")[0])
             k.complete([[5, 6, 7]], max_tokens=2, ignore_eos=True)  # warm-up
             rows[policy] = r = asyncio.run(measure(k, a))
             r["preemptions"] = k.engine.scheduler.num_preemptions
@@ -259,6 +292,17 @@ def main() -> None:
             f"{r['flood_step_p50']:.3f}s p99 {r['flood_step_p99']:.3f}s (alone p99 {r['b_alone_step_p99']:.3f}s), "
             f"preemptions {r['preemptions']} | p99 ratio {r['ttft_p99_ratio']:.2f} "
             f"(goal <= 1.2), throughput ratio {r['throughput_ratio']:.2f} (goal >= 0.9)",
+            flush=True,
+        )
+        print(
+            "   B's engine-side TTFT p50/p99 (s), alone | flood: "
+            + " | ".join(
+                f"{part} "
+                + ", ".join(
+                    f"{r[f'{n}_b_{part}_p50']:.3f}/{r[f'{n}_b_{part}_p99']:.3f}" for n in ("alone", "flood")
+                )
+                for part in ("wait", "own", "engine_ttft")
+            ),
             flush=True,
         )
     if a.json:

@@ -89,7 +89,8 @@ class AdmissionPolicy(Protocol):
     admitted: a candidate was admitted; sampled: one output token was sampled for seq; claims: whether `claim`
     can ever answer; claim: whether waiting seq is owed a slot now, ahead of the order, and at whose expense (None:
     no); kv_victim: which of the running sequences not yet scheduled this step to preempt when KV blocks run out
-    (they are in admission order)."""
+    (they are in admission order); prefill_budget: while a light tenant is active, the light tenants and the
+    prefill tokens one step may carry (None: no budget), given the sequences holding batch slots."""
 
     claims: bool
 
@@ -101,6 +102,7 @@ class AdmissionPolicy(Protocol):
     def set_weights(self, weights: Mapping[str | None, float]) -> None: ...
     def claim(self, seq: Sequence, running: list[Sequence], max_batch: int) -> Claim | None: ...
     def kv_victim(self, candidates: list[Sequence]) -> Sequence: ...
+    def prefill_budget(self, running: list[Sequence], max_batch: int) -> tuple[frozenset, int] | None: ...
 
 
 class FirstComeFirstServed:
@@ -132,6 +134,9 @@ class FirstComeFirstServed:
     def kv_victim(self, candidates: list[Sequence]) -> Sequence:
         return candidates[-1]  # the newest
 
+    def prefill_budget(self, running: list[Sequence], max_batch: int) -> tuple[frozenset, int] | None:
+        return None
+
 
 class VirtualTokenCounter:
     """Per-tenant counters of weighted service; see the module docstring for the rules."""
@@ -143,6 +148,7 @@ class VirtualTokenCounter:
         weights: Mapping[str | None, float] | None = None,
         preempt: bool = False,
         isolate: bool = False,
+        light_prefill: int | None = None,
     ):
         for name, w in (("w_prompt", w_prompt), ("w_output", w_output)):
             if not _positive(w):
@@ -150,6 +156,10 @@ class VirtualTokenCounter:
         self.w_prompt, self.w_output = float(w_prompt), float(w_output)
         self.preempt = preempt
         self.isolate = isolate  # only with preempt: a claim's first prefill step carries no yielder's token
+        lp = light_prefill
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 1):
+            raise ValueError(f"VTC light_prefill must be a number of tokens >= 1 or None, got {lp!r}")
+        self.light_prefill = lp  # only with preempt: see prefill_budget()
         self.counters: dict[str | None, float] = {}
         self._weights: dict[str | None, float] = {}
         self._waiting: Counter[str | None] = Counter()  # tenant -> its requests in the waiting queue
@@ -243,6 +253,17 @@ class VirtualTokenCounter:
             victims += theirs[: count[u] - g[u]]
         return Claim(tuple(victims), frozenset(over) if self.isolate else frozenset())
 
+    def prefill_budget(self, running: list[Sequence], max_batch: int) -> tuple[frozenset, int] | None:
+        """While a light tenant is active (its running + waiting requests fewer than its slot guarantee), the light
+        tenants and the prefill tokens a step may carry (`light_prefill`); None: no light tenant, or off. `running`:
+        the sequences holding slots."""
+        if not self.preempt or self.light_prefill is None:
+            return None
+        demand = Counter(r.tenant for r in running) + self._waiting
+        g = self.guarantees(set(demand), max_batch)
+        light = frozenset(t for t in demand if demand[t] < g[t])
+        return (light, self.light_prefill) if light else None
+
     def kv_victim(self, candidates: list[Sequence]) -> Sequence:
         """Out of KV blocks: without preempt, the newest (the scheduler's rule); with it, the newest of the most
         served tenant among the candidates, so a tenant behind does not pay for the flooder's growth."""
@@ -271,9 +292,12 @@ def make_policy(
     w_output: float = W_OUTPUT,
     preempt: bool = False,
     isolate: bool = False,
+    light_prefill: int | None = None,
 ) -> FirstComeFirstServed | VirtualTokenCounter:
     if name == "vtc":
-        return VirtualTokenCounter(w_prompt, w_output, preempt=preempt, isolate=isolate)
+        return VirtualTokenCounter(
+            w_prompt, w_output, preempt=preempt, isolate=isolate, light_prefill=light_prefill
+        )
     if name == "fcfs":
         return FirstComeFirstServed()
     raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")
