@@ -17,7 +17,9 @@ whose first prefill step the flooder sits out: VirtualTokenCounter.isolate) and 
 Goals (issue 15): B's p99 TTFT under the flood <= 1.2x B alone; overall tok/s under the flood >= 0.9x saturated.
 With few B requests (quick mode) p99 is close to the maximum: read it as such. Also printed: the engine steps'
 p99 duration alone and under the flood. A step is not interruptible, so a B request that arrives mid-step waits
-for it whatever the policy: under the flood that is a step of A's full batch, the floor of B's extra TTFT.
+for it whatever the policy: under the flood that is a step of A's full batch, the floor of B's extra TTFT. B's
+engine-side TTFT is split too: "wait", arrival to the start of the step carrying its first prefill chunk (the rest
+of the step in flight, and any step it waited through), and "own", that step's duration.
 """
 
 from __future__ import annotations
@@ -278,8 +280,6 @@ def main() -> None:
         ) as k:
             if "+isolate" in policy:
                 k.fairness.isolate = True
-            if "+lp" in policy:  # e.g. vtc+preempt+lp16: VirtualTokenCounter.light_prefill = 16
-                k.fairness.light_prefill = int(policy.split("+lp")[1].split("+")[0])
             k.complete([[5, 6, 7]], max_tokens=2, ignore_eos=True)  # warm-up
             rows[policy] = r = asyncio.run(measure(k, a))
             r["preemptions"] = k.engine.scheduler.num_preemptions

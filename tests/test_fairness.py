@@ -189,12 +189,10 @@ def test_optional_fair_preemption_gives_a_behind_tenant_a_slot_at_once():
     assert run(VirtualTokenCounter())[0] > 20 and run("fcfs")[0] > 20
 
 
-@pytest.mark.parametrize("light_prefill", [None, 8, 1])  # the prefill budget delays b: the bound still holds
-def test_fair_preemption_keeps_the_bound_and_does_not_thrash(light_prefill):
+def test_fair_preemption_keeps_the_bound_and_does_not_thrash():
     l_input, m = 16, 64 * 4
     bound = 2 * max(W_PROMPT * l_input, W_OUTPUT * m)
-    policy = VirtualTokenCounter(preempt=True, light_prefill=light_prefill)
-    sim = Sim(policy, num_blocks=64, bs=4, max_batch=8, budget=32)
+    sim = Sim(VirtualTokenCounter(preempt=True), num_blocks=64, bs=4, max_batch=8, budget=32)
     for _ in range(100):
         sim.add("a", 16, 16)
     d = run_backlogged(sim, {"a": (16, 16), "b": (4, 4)}, 600, random.Random(0))
@@ -313,85 +311,6 @@ def test_fair_claims_do_not_starve_the_flooder_and_keep_the_bound(isolate):
     assert all(heavy_service[i + 20] > heavy_service[i] for i in range(0, 380))  # never stalled for long
     bound = 2 * max(W_PROMPT * 8, W_OUTPUT * 256 * 4)
     assert abs(sim.service["heavy"] - sim.service["light"]) <= bound
-
-
-def prefill_tokens(batch, tenant) -> int:
-    """Prompt tokens of `tenant` fed in `batch` (no preemption here, so a prompt is fed once)."""
-    return sum(
-        it.num_tokens for it in batch.items if it.seq.tenant == tenant and it.start < len(it.seq.prompt_ids)
-    )
-
-
-def test_light_prefill_budget_only_while_a_light_tenant_is_active_never_cuts_it_and_starves_nobody():
-    sim = Sim(
-        VirtualTokenCounter(preempt=True, light_prefill=8), num_blocks=256, bs=4, max_batch=8, budget=64
-    )
-    rng = random.Random(5)
-    for _ in range(100):
-        sim.add("heavy", 8, rng.randint(4, 12))
-    b = sim.s.schedule()  # heavy alone: nobody below a guarantee, no budget (eight prompts in one step)
-    assert prefill_tokens(b, "heavy") == 64
-    sim.s.commit(b)
-    for _ in range(30):
-        sim.step()
-    # Light (guarantee 4 of 8, runs none) sends a 12-token request now and then, each overlapping the next.
-    light, heavy, heavy_service, beside, budgeted = [], [], [], [], 0
-    for i in range(300):
-        while sim.waiting("heavy") <= 8:
-            heavy.append(sim.add("heavy", 8, rng.randint(4, 12)))
-        if i % 6 == 0:
-            light.append(sim.add("light", 12, 8))
-        active = bool(sim.waiting("light") or any(q.tenant == "light" for q in sim.s.running))
-        b = sim.s.schedule()
-        heavy_in, light_in = prefill_tokens(b, "heavy"), prefill_tokens(b, "light")
-        # light's prompt whole in one step though above the budget, and then none of heavy's beside it
-        assert light_in in (0, 12), light_in
-        assert not active or heavy_in <= 8, (i, heavy_in)
-        # a claim goes first and spends the budget: none of heavy's prefill beside it (light admitted in the
-        # ordinary order, when ahead of heavy in counter, may come after heavy's prefill)
-        if light_in:
-            beside.append(heavy_in)
-        budgeted += active
-        sim.s.commit(b)
-        for it in b.items:
-            sim.service[it.seq.tenant] += W_PROMPT * it.num_tokens if it.start < len(it.seq.prompt_ids) else 0
-            if it.samples:
-                sim.service[it.seq.tenant] += W_OUTPUT
-                it.seq.output_ids.append(7)
-                if len(it.seq.output_ids) >= it.seq.params.max_tokens:
-                    sim.s.finish(it.seq, "length")
-        heavy_service.append(sim.service["heavy"])
-    assert budgeted > 250  # light was active nearly throughout: the budget was in force
-    assert len(beside) == len(light) and beside.count(0) >= 0.8 * len(beside), beside
-    # Heavy is not starved: its prompts are chunked (8 tokens a step at most) but it keeps admitting and decoding.
-    assert all(heavy_service[i + 10] > heavy_service[i] for i in range(len(heavy_service) - 10))
-    assert sum(q.is_finished for q in heavy) >= 60 and sim.service["heavy"] > 2 * sim.service["light"]
-    assert all(q.is_finished for q in light[:-2])  # and light is served
-    # Light gone: the budget lifts, and heavy fills its free slots with whole prompts in one step again.
-    while any(q.tenant == "light" for q in sim.s.running + sim.s.waiting):
-        sim.step()
-    for q in [q for q in sim.s.running if q.tenant == "heavy"][:3]:
-        sim.s.finish(q, "abort")
-    assert prefill_tokens(sim.s.schedule(), "heavy") >= 3 * 8
-
-
-def test_light_prefill_budget_off_by_default_and_never_for_fcfs_or_plain_vtc():
-    rows = [Sequence(i, [1, 2], SamplingParams(max_tokens=2), arrival=float(i), tenant="a") for i in range(8)]
-    light = Sequence(9, [1], SamplingParams(max_tokens=2), arrival=9.0, tenant="b")
-    for policy in (
-        make_policy("fcfs"),
-        VirtualTokenCounter(light_prefill=4),
-        VirtualTokenCounter(preempt=True),
-    ):
-        policy.enqueued(light, True)
-        assert policy.prefill_budget(rows, 8) is None
-    vtc = VirtualTokenCounter(preempt=True, light_prefill=4)
-    assert vtc.prefill_budget(rows, 8) is None  # one tenant: nobody below a guarantee
-    vtc.enqueued(light, True)
-    assert vtc.prefill_budget(rows, 8) == (frozenset({"b"}), 4)
-    for bad in (0, -1, 2.5, True, "8"):
-        with pytest.raises(ValueError, match="light_prefill"):
-            VirtualTokenCounter(light_prefill=bad)
 
 
 def test_guarantees_follow_weights_and_claims_never_move_a_slot_back():
@@ -532,8 +451,6 @@ def test_policy_and_weight_validation():
         KernelConfig(vtc_preempt="yes")
     with pytest.raises(ValueError, match="vtc_output_weight"):
         KernelConfig(vtc_output_weight=0)
-    with pytest.raises(ValueError, match="vtc_light_prefill"):
-        KernelConfig(vtc_light_prefill=0)
     with pytest.raises(ValueError, match="scheduling_policy"):
         KernelConfig(scheduling_policy="lottery")
     with pytest.raises(ValueError, match="scheduling_policy"):
@@ -559,10 +476,8 @@ def test_kernel_charges_the_tenant_it_is_given(llama_dir):
         # started level with gold, the last tenant to leave it.
         gold = (4 + 2 * 3) / 2
         assert k.fairness.counters == {"gold": gold, None: gold + 4 + 2 * 3}
-    with LLMKernel(
-        llama_dir, dtype="float32", num_kv_blocks=64, vtc_preempt=False, vtc_light_prefill=16
-    ) as k:
-        assert not k.fairness.preempt and k.fairness.light_prefill == 16  # the paper's VTC, as before claims
+    with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=64, vtc_preempt=False) as k:
+        assert not k.fairness.preempt  # the paper's VTC, as it was before claims
     with LLMKernel(llama_dir, dtype="float32", num_kv_blocks=64, scheduling_policy="fcfs") as k:
         assert k.complete([[5, 6, 7]], max_tokens=2, tenant="gold")[0].token_ids
 

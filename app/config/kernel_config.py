@@ -52,11 +52,6 @@ class KernelConfig:
     # paper's VTC: 3.4-6.3x; FCFS 37-54x) at the same throughput (load_tests/fairness.md). Only with
     # scheduling_policy "vtc".
     vtc_preempt: bool = True
-    # With vtc_preempt: while a tenant below its share is active, a step carries at
-    # most this many prefill tokens, that tenant's first and never cut, the others' (new admissions, chunks) in what
-    # is left; decodes always go. Shorter steps for the light tenant's next request to land behind, and its own
-    # first step free of the others' prompts (app/replica/fairness.py; load_tests/fairness.md). None: no budget.
-    vtc_light_prefill: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):  # a torch.dtype, as LLMKernel always accepted: keep its name
@@ -64,7 +59,7 @@ class KernelConfig:
         required = ("max_adapters", "max_batch_size", "max_lora_rank", "block_size", "max_num_batched_tokens")
         for name in (*required, "max_waiting"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_cpu_adapters", "max_model_len", "num_kv_blocks", "vtc_light_prefill"):
+        for name in ("max_cpu_adapters", "max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name), "or None")
         m = self.max_saved_module_bytes

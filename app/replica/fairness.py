@@ -51,6 +51,14 @@ that no step its request can land behind carries several of their prompts). It s
 flood's step p99 -15%) but the light tenant's TTFT p99 did not follow (load_tests/fairness.md; the code is in git
 history, commit 18c0f99): what remains is the rest of an ordinary step in flight and the flooder's decodes riding
 in the light request's first step.
+Tried and removed too: a light prefill budget (KernelConfig.vtc_light_prefill; commit 07fae23): while a light
+tenant is active, a step carries at most N prefill tokens, the light tenant's first and never cut, the others' in
+what is left (decodes untouched), so the step its request lands behind is short and its own first step carries none
+of the flooder's prompts. With N=32 the wait for the step in flight fell (p99 0.028-0.029 s against 0.037-0.046 s)
+but the light tenant's own first step did not (p99 0.043-0.044 s, 0.042-0.045 s without), and its TTFT p99 under the flood
+followed in one pass of two (0.061 and 0.066 s against 0.066-0.075 s), at a throughput cost (0.98-1.02 of
+saturated against 1.00-1.16); N=16 no better and 0.93 (load_tests/fairness.md, "The light prefill budget").
+Decode rows were left uncapped on measurement: a decode row costs ~1 ms against a step's ~12 ms fixed cost here.
 """
 
 from __future__ import annotations
@@ -89,8 +97,7 @@ class AdmissionPolicy(Protocol):
     admitted: a candidate was admitted; sampled: one output token was sampled for seq; claims: whether `claim`
     can ever answer; claim: whether waiting seq is owed a slot now, ahead of the order, and at whose expense (None:
     no); kv_victim: which of the running sequences not yet scheduled this step to preempt when KV blocks run out
-    (they are in admission order); prefill_budget: while a light tenant is active, the light tenants and the
-    prefill tokens one step may carry (None: no budget), given the sequences holding batch slots."""
+    (they are in admission order)."""
 
     claims: bool
 
@@ -102,7 +109,6 @@ class AdmissionPolicy(Protocol):
     def set_weights(self, weights: Mapping[str | None, float]) -> None: ...
     def claim(self, seq: Sequence, running: list[Sequence], max_batch: int) -> Claim | None: ...
     def kv_victim(self, candidates: list[Sequence]) -> Sequence: ...
-    def prefill_budget(self, running: list[Sequence], max_batch: int) -> tuple[frozenset, int] | None: ...
 
 
 class FirstComeFirstServed:
@@ -134,9 +140,6 @@ class FirstComeFirstServed:
     def kv_victim(self, candidates: list[Sequence]) -> Sequence:
         return candidates[-1]  # the newest
 
-    def prefill_budget(self, running: list[Sequence], max_batch: int) -> tuple[frozenset, int] | None:
-        return None
-
 
 class VirtualTokenCounter:
     """Per-tenant counters of weighted service; see the module docstring for the rules."""
@@ -148,7 +151,6 @@ class VirtualTokenCounter:
         weights: Mapping[str | None, float] | None = None,
         preempt: bool = False,
         isolate: bool = False,
-        light_prefill: int | None = None,
     ):
         for name, w in (("w_prompt", w_prompt), ("w_output", w_output)):
             if not _positive(w):
@@ -156,10 +158,6 @@ class VirtualTokenCounter:
         self.w_prompt, self.w_output = float(w_prompt), float(w_output)
         self.preempt = preempt
         self.isolate = isolate  # only with preempt: a claim's first prefill step carries no yielder's token
-        lp = light_prefill
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 1):
-            raise ValueError(f"VTC light_prefill must be a number of tokens >= 1 or None, got {lp!r}")
-        self.light_prefill = lp  # only with preempt: see prefill_budget()
         self.counters: dict[str | None, float] = {}
         self._weights: dict[str | None, float] = {}
         self._waiting: Counter[str | None] = Counter()  # tenant -> its requests in the waiting queue
@@ -253,17 +251,6 @@ class VirtualTokenCounter:
             victims += theirs[: count[u] - g[u]]
         return Claim(tuple(victims), frozenset(over) if self.isolate else frozenset())
 
-    def prefill_budget(self, running: list[Sequence], max_batch: int) -> tuple[frozenset, int] | None:
-        """While a light tenant is active (its running + waiting requests fewer than its slot guarantee), the light
-        tenants and the prefill tokens a step may carry (`light_prefill`); None: no light tenant, or off. `running`:
-        the sequences holding slots."""
-        if not self.preempt or self.light_prefill is None:
-            return None
-        demand = Counter(r.tenant for r in running) + self._waiting
-        g = self.guarantees(set(demand), max_batch)
-        light = frozenset(t for t in demand if demand[t] < g[t])
-        return (light, self.light_prefill) if light else None
-
     def kv_victim(self, candidates: list[Sequence]) -> Sequence:
         """Out of KV blocks: without preempt, the newest (the scheduler's rule); with it, the newest of the most
         served tenant among the candidates, so a tenant behind does not pay for the flooder's growth."""
@@ -292,12 +279,9 @@ def make_policy(
     w_output: float = W_OUTPUT,
     preempt: bool = False,
     isolate: bool = False,
-    light_prefill: int | None = None,
 ) -> FirstComeFirstServed | VirtualTokenCounter:
     if name == "vtc":
-        return VirtualTokenCounter(
-            w_prompt, w_output, preempt=preempt, isolate=isolate, light_prefill=light_prefill
-        )
+        return VirtualTokenCounter(w_prompt, w_output, preempt=preempt, isolate=isolate)
     if name == "fcfs":
         return FirstComeFirstServed()
     raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")

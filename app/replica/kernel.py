@@ -98,11 +98,7 @@ class LLMKernel:
         )
         self.composition = Composition(self.adapter_manager, (self.model_id,))
         self.fairness = make_policy(
-            cfg.scheduling_policy,
-            cfg.vtc_prompt_weight,
-            cfg.vtc_output_weight,
-            cfg.vtc_preempt,
-            light_prefill=cfg.vtc_light_prefill,
+            cfg.scheduling_policy, cfg.vtc_prompt_weight, cfg.vtc_output_weight, cfg.vtc_preempt
         )
         self.engine = Engine(
             self.model,

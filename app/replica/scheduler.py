@@ -7,8 +7,6 @@ Which waiting request is admitted next is the admission policy's call (app/repli
 (FCFS), or between tenants by the Virtual Token Counter; running sequences are served oldest first either way.
 A policy with fair claims (VTC with preempt) may also make a waiting request jump ahead: it is admitted first in
 the step, taking a slot or KV blocks from tenants above their guarantee, and those tenants sit the step out.
-Such a policy may also give a step a prefill budget while a light tenant is active: the light tenants' prefill
-tokens are never cut but count against it, the others' prefill (new admissions and chunks) gets what is left.
 """
 
 from __future__ import annotations
@@ -92,9 +90,6 @@ class Scheduler:
         # running sequences a claim took the slot of, KV kept: not scheduled while the batch is over its size
         self.held: list[Sequence] = []
         self.num_preemptions = 0
-        # this step's prefill budget (policy.prefill_budget): the light tenants, and the tokens left (None: none)
-        self._light: frozenset = frozenset()
-        self._allowance: int | None = None
 
     # ----------------------------------------------------------------- queue management
     def add(self, seq: Sequence) -> None:
@@ -182,8 +177,6 @@ class Scheduler:
         # held sequences resume, oldest first, as soon as the batch has room for them (before any admission)
         while self.held and len(self.running) - len(self.held) < self.config.max_batch_size:
             self.held.remove(min(self.held, key=self.running.index))
-        pb = self.policy.prefill_budget(self._slot_holders(), self.config.max_batch_size)
-        self._light, self._allowance = pb if pb is not None else (frozenset(), None)
         if self.waiting and self.policy.claims:
             budget = self._claim(batch, budget, claimed)
         out = batch.sitting_out
@@ -195,13 +188,8 @@ class Scheduler:
         ]
         while pending and budget > 0:
             seq = pending[0]
-            want = min(seq.num_uncomputed, budget)
-            n = self._prefill_room(seq, want)
-            if n == 0 < want:  # cut to nothing by the prefill budget
-                pending.pop(0)  # a capped prefill chunk: it keeps its slot and KV, its next chunk waits
-                continue
+            n = min(seq.num_uncomputed, budget)
             if self._grow(seq, n):
-                self._spend(seq, n)
                 batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
                 budget -= n
                 pending.pop(0)
@@ -217,12 +205,12 @@ class Scheduler:
             for seq in self.policy.order(self.waiting):
                 if budget <= 0 or self._active() >= self.config.max_batch_size:
                     break
-                if seq.tenant in out or self._no_prefill_room(seq) or not self.admit(seq):
+                if seq.tenant in out or not self.admit(seq):
                     continue
                 # prompt log probabilities need the logits of every prompt position: no cached prefix
                 if self.alloc.enable_prefix_caching and seq.params.prompt_logprobs is None:
                     self._reuse_prefix(seq)
-                n = self._prefill_room(seq, min(seq.num_uncomputed, budget))
+                n = min(seq.num_uncomputed, budget)
                 if not self._grow(seq, n):
                     self._free(seq)
                     self.release(seq)
@@ -230,25 +218,6 @@ class Scheduler:
                 self._start(seq, n, batch)
                 budget -= n
         return batch
-
-    def _slot_holders(self) -> list[Sequence]:
-        held = {id(s) for s in self.held}
-        return [s for s in self.running if id(s) not in held]
-
-    def _no_prefill_room(self, seq: Sequence) -> bool:
-        """The step's prefill budget is spent, and seq's prefill would be cut to nothing."""
-        return self._prefill_room(seq, seq.num_uncomputed) == 0
-
-    def _prefill_room(self, seq: Sequence, n: int) -> int:
-        """How many of n tokens seq may feed this step under the prefill budget: a decode (one token) and a light
-        tenant's prefill are never cut."""
-        if self._allowance is None or seq.num_uncomputed <= 1 or seq.tenant in self._light:
-            return n
-        return min(n, max(0, self._allowance))
-
-    def _spend(self, seq: Sequence, n: int) -> None:
-        if self._allowance is not None and seq.num_uncomputed > 1:
-            self._allowance -= n
 
     def _active(self) -> int:
         return len(self.running) - len(self.held)
@@ -260,7 +229,6 @@ class Scheduler:
     def _start(self, seq: Sequence, n: int, batch: Batch) -> None:
         self._remove_waiting(seq)
         self.policy.admitted(seq)
-        self._spend(seq, n)
         seq.status = Status.RUNNING
         self.running.append(seq)
         batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
@@ -276,7 +244,8 @@ class Scheduler:
                 break
             if seq.tenant in refused:
                 continue
-            active = self._slot_holders()
+            held = {id(s) for s in self.held}
+            active = [s for s in self.running if id(s) not in held]
             claim = self.policy.claim(seq, active, self.config.max_batch_size)
             if claim is None:
                 refused.add(seq.tenant)
@@ -285,11 +254,11 @@ class Scheduler:
             if full and not claim.victims:
                 refused.add(seq.tenant)
                 continue
-            if self._no_prefill_room(seq) or not self.admit(seq):
-                continue  # the step's prefill budget is spent, or a cold adapter (its next request may be warm)
+            if not self.admit(seq):
+                continue  # a cold adapter: its tenant's next request may be warm
             if self.alloc.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 self._reuse_prefix(seq)
-            n = self._prefill_room(seq, min(seq.num_uncomputed, budget))
+            n = min(seq.num_uncomputed, budget)
             victims = list(claim.victims)
             # count what the victims would free first: never preempt for a claim that cannot fit
             freeable = sum(len(v.block_ids) for v in victims)
