@@ -174,6 +174,15 @@ def test_openai_client_chat_stream_and_n(stack):
         multi = await client.completions.create(
             model="tiny-llama", prompt=["hello world", PROMPT], max_tokens=5, n=2
         )
+        # Streamed, the four choices' deltas of one step reach the ingress as one DeltaBatch: each still
+        # arrives as its own chunk, and every choice's chunks add up to its text.
+        texts: dict[int, str] = {}
+        async for chunk in await client.completions.create(
+            model="tiny-llama", prompt=["hello world", PROMPT], max_tokens=5, n=2, stream=True
+        ):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+        assert [texts[i] for i in range(4)] == [c.text for c in multi.choices]
         return chat, "".join(pieces), usage, roles, multi
 
     chat, streamed, usage, roles, multi = stack.openai(go, stack.key_a)
