@@ -22,6 +22,7 @@ from app.replica.grammar import GrammarState
 from app.replica.kv_cache import BlockAllocator, KVCache
 from app.replica.logprobs import SampleLogprobs, prompt_logprobs
 from app.replica.lora.null import AdapterHooks, NullAdapters
+from app.replica.memory import keep_freed_memory
 from app.replica.model import Model
 from app.replica.outputs import Delta, OutputProcessor
 from app.replica.sampling import NonFiniteLogits, SamplingParams, sample_with_logprobs
@@ -70,6 +71,8 @@ class Engine:
         policy: AdmissionPolicy | None = None,  # admission between tenants; None: first come first served
     ):
         self.model, self.tok, self.cfg, self.adapters = model, tokenizer, config, adapters
+        if model.device.type == "cpu":
+            keep_freed_memory()  # each step's temporaries reuse the last step's pages instead of faulting in
         c = model.cfg
         self.allocator = BlockAllocator(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCache(
