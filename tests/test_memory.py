@@ -12,11 +12,12 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
-# Page faults of 20 rounds, after 10 of warm-up, of allocating, touching and freeing a 64 MiB tensor (16,384 pages each round).
+# Page faults of 20 rounds (after 10 of warm-up) of allocating, touching and freeing a 64 MiB tensor: 16,384
+# pages a round.
 FAULTS = textwrap.dedent(
     """
     import resource, sys, torch
-    from app.replica.memory import keep_freed_memory, release_free_memory
+    from app.replica.memory import keep_freed_memory
     if sys.argv[1] == "keep":
         assert keep_freed_memory()
     for _ in range(10):  # warm-up: the first rounds grow the heap (an aligned block needs a little more than a
@@ -36,9 +37,8 @@ def faults(mode: str) -> int:
 
 def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     default, kept = faults("default"), faults("keep")
-    assert (
-        default > 20 * 16_384 * 0.9
-    )  # glibc's default: the 64 MiB block is unmapped and faulted in each round
+    # glibc's default: the 64 MiB block is unmapped when freed and faulted in again each round
+    assert default > 20 * 16_384 * 0.9
     assert kept < 2_000, f"{kept} page faults with the keep policy ({default} without)"
 
 

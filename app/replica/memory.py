@@ -21,9 +21,8 @@ from collections.abc import Callable
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_KEEP_UP_TO = (
-    1 << 30
-)  # blocks up to 1 GiB come from the heap and stay there when freed; larger ones are mapped
+# Blocks up to 1 GiB come from the heap and stay there when freed; larger ones are mapped.
+_KEEP_UP_TO = 1 << 30
 _NEVER_TRIM = (1 << 31) - 1  # the largest int mallopt takes: no trim of the heap's top except by malloc_trim
 
 
