@@ -40,5 +40,10 @@ class QuotaExceeded(LoraLandError):
         self.retry_after_s = retry_after_s
 
 
+class InternalError(LoraLandError):
+    """A fault inside the server, not the caller's (HTTP 500); unlike an unexpected exception, its message is
+    written for the caller and travels as it is."""
+
+
 class CatalogUnavailable(LoraLandError):
     """Redis cannot be reached; the message names the URL."""

@@ -5,16 +5,18 @@ then `ChoiceDelta`s (new text per choice, possibly several piled-up deltas coale
 stream, or sends one `Failure` and ends. New output of several choices found at one wake-up (n > 1, several
 prompts: each engine step has a token for every choice) travels as one `DeltaBatch`: every item is a Ray message
 and an actor hop, so a request costs one message per step, not one per choice. A `Failure` carries the error's class name, message and whether a
-retry may succeed; only the ingress maps it to an HTTP status (app/router/http_errors.py). The one rule that
+retry may succeed; only the ingress maps it to an HTTP status (app/router/http/errors.py). The one rule that
 turns a failure back into an exception is `Failure.to_exception`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from app import errors
+from app.adapter_record import AdapterRecord
+from app.names import ModelSpec
+from app.sampling_params import SamplingParams
 
 # The error classes a Failure may name (a subclass travels as the first of these it derives from); the base
 # class keeps its message (HTTP 500), anything that is not a LoraLandError travels as "internal", message hidden.
@@ -32,10 +34,6 @@ _KNOWN: dict[str, type[errors.LoraLandError]] = {
 }
 _RETRYABLE = {"AdapterUnavailable", "QueueFull", "CatalogUnavailable"}
 
-# The most top log probabilities one token may ask for (completions `logprobs`, chat `top_logprobs`): vLLM's
-# default max_logprobs. The ingress refuses more with a 400; the sampler checks it again.
-MAX_LOGPROBS = 20
-
 
 @dataclass(frozen=True)
 class Failure:
@@ -52,6 +50,8 @@ class Failure:
         """The failure to send for `exc`; internals of an unexpected exception stay in the replica's log."""
         if not isinstance(exc, errors.LoraLandError):
             return cls("internal", f"internal error ({type(exc).__name__}); see the server log")
+        if isinstance(exc, errors.InternalError):
+            return cls("internal", str(exc))
         # A private subclass (e.g. the hub's AdapterUnavailable for a missing repo) travels as its public base.
         kind = next(k.__name__ for k in type(exc).__mro__ if _KNOWN.get(k.__name__) is k)
         return cls(
@@ -65,7 +65,7 @@ class Failure:
     def to_exception(self) -> errors.LoraLandError:
         """The one rule that turns a failure back into an exception: the kernel raises it for a failed
         sequence, and the ingress maps it to an HTTP status through the same table as any other error."""
-        cls = _KNOWN.get(self.kind)
+        cls = errors.InternalError if self.kind == "internal" else _KNOWN.get(self.kind)
         if cls is None:
             return errors.LoraLandError(self.message)
         exc = cls(self.message, self.retry_after_s or 1.0) if cls is errors.QueueFull else cls(self.message)
@@ -86,18 +86,61 @@ class RequestFailed(errors.LoraLandError):
 
 @dataclass(frozen=True)
 class ReplicaRequest:
-    """One OpenAI request, resolved: `adapter` is the canonical model id for the kernel ("" = base model),
-    `records` the catalog records (as dicts) of every adapter version it needs."""
+    """One OpenAI request, parsed, resolved and validated once by the ingress: `spec` is the `model` field with
+    every term's version pinned (app/names.py; empty = the base model), `records` the catalog record of every
+    adapter version it needs, `sampling` the validated parameters of each choice."""
 
     request_id: str
-    adapter: str = ""
-    records: tuple[dict[str, Any], ...] = ()
+    spec: ModelSpec = ModelSpec()
+    records: tuple[AdapterRecord, ...] = ()
     prompts: tuple[str | tuple[int, ...], ...] = ()
     messages: tuple[dict[str, str], ...] | None = None  # a chat; rendered by the replica's tokenizer
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = SamplingParams()
     n: int = 1
     tenant: str | None = None  # the caller's tenant, for fair admission (None: no auth, or the admin)
     echo: bool = False  # completions' echo: each choice's first delta carries its prompt's text
+
+    @property
+    def model_id(self) -> str:
+        """The canonical id of `spec` ("" = base): the multiplexed model id the router sees."""
+        return self.spec.canonical()
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What a replica reports about itself, read by every consumer through this one type: the router (as Serve's
+    `record_routing_stats()`, every routing_stats_period_s) and the catalog (each heartbeat). `at` is the
+    replica's wall clock when taken (the router compares it with when it last sent there)."""
+
+    replica_id: str
+    resident: tuple[str, ...] = ()  # adapter refs in host memory or a device slot (servable without a fetch)
+    device_resident: tuple[str, ...] = ()  # those of them in a device slot
+    loading: tuple[str, ...] = ()  # refs being fetched right now
+    free_slots: int = 0
+    queue_len: int = 0  # sequences waiting in the kernel
+    running: int = 0  # sequences in the kernel's batch
+    ongoing: int = 0  # generate() calls in progress (the router corrects its counts with it)
+    kv_usage: float = 0.0
+    at: float = 0.0
+    node: dict[str, str | int] = field(
+        default_factory=dict
+    )  # where it runs: actor_name, node_ip, node_id, threads
+    warmed: tuple[str, ...] | None = None  # what it loaded before its first request (None: warm-up not done)
+
+    @staticmethod
+    def of(obj: object) -> ReplicaStats | None:
+        """A replica's stats as Serve hands them to the router: Serve's placeholder before the first report is an
+        empty dict, which means nothing is known yet."""
+        return obj if isinstance(obj, ReplicaStats) else None
+
+    @property
+    def busy(self) -> int:
+        """Sequences in the kernel, running or waiting."""
+        return self.running + self.queue_len
+
+    def fresh(self, now: float, max_age_s: float) -> bool:
+        """Taken at most `max_age_s` ago: recent enough to count as the replica's load."""
+        return self.at > 0 and now - self.at <= max_age_s
 
 
 @dataclass(frozen=True)

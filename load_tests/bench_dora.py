@@ -115,7 +115,7 @@ def apply_cost(model_dir: Path, plain: dict[str, Path], dora: dict[str, Path], r
     from app.replica.lora.dora import BaseWeights
     from app.replica.lora.manager import AdapterManager
     from app.replica.lora.peft_format import read_adapter
-    from app.replica.sampling import SamplingParams
+    from app.sampling_params import SamplingParams
     from app.replica.sequence import Sequence
 
     mc = ModelConfig.from_folder(model_dir)

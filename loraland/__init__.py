@@ -4,6 +4,6 @@ from app.catalog.sources import AdapterHub
 from app.config.kernel_config import KernelConfig
 from app.replica.engine import Delta
 from app.replica.kernel import Completion, LLMKernel
-from app.replica.sampling import SamplingParams
+from app.sampling_params import SamplingParams
 
 __all__ = ["LLMKernel", "KernelConfig", "AdapterHub", "Completion", "Delta", "SamplingParams"]

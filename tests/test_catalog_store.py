@@ -11,6 +11,7 @@ import uuid
 import pytest
 import redis
 
+from app.protocol import ReplicaStats
 from app.catalog.redis_server import free_port, start_redis
 from app.catalog.store import Catalog, hash_api_key
 from app.errors import CatalogUnavailable, InvalidRequest, UnknownAdapter
@@ -210,9 +211,12 @@ def test_pin(catalog):
 
 
 def test_heartbeat_expiry_removes_dead_replica_from_placement(catalog, redis_server):  # noqa: F811
-    beat = dict(free_slots=2, load=0.5, queue_len=1, kv_usage=0.25)
-    catalog.heartbeat("dying", resident=["x@1", "only-dying@1"], ttl_s=0.4, **beat)
-    catalog.heartbeat("alive", resident=["x@1"], ttl_s=30, **beat)
+    def beat(rid: str, resident: list[str], ttl_s: float) -> None:
+        stats = ReplicaStats(rid, resident=tuple(resident), free_slots=2, queue_len=1, kv_usage=0.25)
+        catalog.heartbeat(stats, load=0.5, ttl_s=ttl_s)
+
+    beat("dying", ["x@1", "only-dying@1"], 0.4)
+    beat("alive", ["x@1"], 30)
     assert catalog.placement("x@1") == {"x@1": ["alive", "dying"]}
     assert catalog.placement() == {"x@1": ["alive", "dying"], "only-dying@1": ["dying"]}
     info = catalog.replicas()["dying"]
@@ -228,7 +232,7 @@ def test_heartbeat_expiry_removes_dead_replica_from_placement(catalog, redis_ser
     r = redis.Redis.from_url(redis_server, decode_responses=True)
     assert not r.exists(f"{catalog.ns}:placement:only-dying@1", f"{catalog.ns}:resident:dying")  # reaped
     # A beat that no longer lists an adapter removes the replica from its placement.
-    catalog.heartbeat("alive", resident=["y@1"], ttl_s=30, **beat)
+    beat("alive", ["y@1"], 30)
     assert catalog.placement("x@1") == {} and catalog.placement("y@1") == {"y@1": ["alive"]}
     catalog.drop_replica("alive")
     assert catalog.replicas() == {} and catalog.placement() == {}
@@ -277,7 +281,7 @@ def test_unreachable_redis_names_the_url():
     with pytest.raises(CatalogUnavailable, match=re.escape(url)):
         cat.get("a")
     with pytest.raises(CatalogUnavailable):
-        cat.heartbeat("r", resident=[], free_slots=1, load=0, queue_len=0, kv_usage=0)
+        cat.heartbeat(ReplicaStats("r", free_slots=1), load=0)
     cat.close()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from app.protocol import ReplicaStats
 from app.catalog.redis_server import start_redis
 from app.config.app_config import AppConfig, coerce_args
 from tests.fixtures.cluster import cli
@@ -113,10 +114,10 @@ def test_a_new_replica_warms_hot_adapters_and_reconciles_lost_removals(catalog_e
     # What live replicas hold: hot on three (an old version on one), warm on two, gone on two, cold nowhere.
     beats = {"r1": ["hot@1", "warm@1", "gone@1"], "r2": ["hot@2", "warm@1", "gone@1"], "r3": ["hot@2", "a|b"]}
     for rid, resident in beats.items():
-        catalog.heartbeat(rid, resident=resident, free_slots=1, load=0, queue_len=0, kv_usage=0, ttl_s=30)
+        catalog.heartbeat(ReplicaStats(rid, resident=tuple(resident), free_slots=1), load=0, ttl_s=30)
     catalog.remove("gone")
-    assert [r["ref"] for r in hot_records(catalog, 5)] == ["hot@2", "warm@1"]  # newest version; no removed
-    assert [r["ref"] for r in hot_records(catalog, 1)] == ["hot@2"]
+    assert [r.ref for r in hot_records(catalog, 5)] == ["hot@2", "warm@1"]  # newest version; no removed
+    assert [r.ref for r in hot_records(catalog, 1)] == ["hot@2"]
 
     cfg = AppConfig(
         model=str(llama_dir), redis_url=url, warm_adapters=2, kernel={"max_adapters": 4, "dtype": "float32"}
@@ -124,14 +125,14 @@ def test_a_new_replica_warms_hot_adapters_and_reconciles_lost_removals(catalog_e
     core = ReplicaCore(cfg, "new", catalog=Catalog(url))
     try:
         assert sorted(asyncio.run(core.warm_up())) == ["hot@2", "warm@1"]
-        assert sorted(core.held_refs()[0]) == sorted(core.extra["warmed"]) == ["hot@2", "warm@1"]
+        assert sorted(core.stats().resident) == sorted(core.warmed) == ["hot@2", "warm@1"]
         # A removal whose event is lost (published where nobody listens): reconcile() unloads it anyway.
         with Catalog(url) as silent:
             silent._channel = "loraland:nobody-listens"
             silent.remove("warm")
-        assert "warm@1" in core.held_refs()[0]
-        core.reconcile()
-        assert core.held_refs()[0] == ["hot@2"]
+        assert "warm@1" in core.stats().resident
+        core.sync.reconcile()
+        assert core.stats().resident == ("hot@2",)
     finally:
         core.close()
 

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from app.config.model_config import ModelConfig
-from app.errors import InvalidRequest
-from app.protocol import Failure
+from app.errors import AdapterUnavailable, InternalError, InvalidRequest
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.lora.null import NullAdapters
 from app.replica.model import Model
-from app.replica.sampling import SamplingParams
+from app.sampling_params import SamplingParams
 from loraland import LLMKernel
 from tests.hf_oracle import hf_greedy, load_hf
 
@@ -305,9 +304,8 @@ def test_failures_are_typed(model_and_tok, monkeypatch):
     try:
         ds = collect(engine, [5, 6, 7], SamplingParams(max_tokens=3), adapter="x@1")
         assert len(ds) == 1 and ds[0].finish_reason == "abort"
-        assert ds[0].failure == Failure(
-            "AdapterUnavailable", "adapter x@1 could not be loaded: no such file", retryable=True
-        )
+        assert type(ds[0].error) is AdapterUnavailable
+        assert str(ds[0].error) == "adapter x@1 could not be loaded: no such file"
         assert [s.adapter for s in adapters.finished_seqs] == ["x@1"]
 
         def boom(*args):
@@ -316,7 +314,8 @@ def test_failures_are_typed(model_and_tok, monkeypatch):
         monkeypatch.setattr(engine.model, "forward", boom)
         ds = collect(engine, [5, 6, 7], SamplingParams(max_tokens=3))
         assert ds[-1].finish_reason == "abort"
-        assert ds[-1].failure == Failure("internal", "internal error in the engine step: kaput")
+        assert type(ds[-1].error) is InternalError
+        assert str(ds[-1].error) == "internal error in the engine step: kaput"
         assert engine.allocator.num_used == 0
     finally:
         engine.stop()

@@ -19,7 +19,7 @@ from app.config.model_config import ModelConfig
 from app.errors import InvalidAdapter, InvalidRequest, LoraLandError
 from app.replica.engine import Engine, EngineConfig
 from app.replica.model import Model
-from app.replica.sampling import SamplingParams
+from app.sampling_params import SamplingParams
 from loraland import LLMKernel
 from tests.fixtures.adapters import ALL_SEVEN
 from tests.fixtures.tiny_adapter import write_tiny_adapter

@@ -11,7 +11,7 @@ from app.errors import InvalidAdapter
 from app.replica.lora.manager import AdapterManager
 from app.replica.lora.merge import merge_adapters
 from app.replica.lora.weights import LoraWeights
-from app.replica.sampling import SamplingParams
+from app.sampling_params import SamplingParams
 from app.replica.sequence import Sequence
 
 CFG = ModelConfig.from_dict(

@@ -53,7 +53,7 @@ def test_mixed_batch_matches_peft(lora_case):
     with LLMKernel(model_dir, dtype="float32", num_kv_blocks=256, max_adapters=16) as k:
         load_all(k, adapters)
         outs = k.complete(prompts, ids, max_tokens=MAX_NEW, ignore_eos=True)
-        assert len(k.stats()["resident"]) == len(adapters)
+        assert len(k.stats().resident) == len(adapters)
     assert [o.token_ids for o in outs] == refs
     # the adapters really change the output
     base_refs = [r for r, a in zip(refs, ids) if a is None]
@@ -69,7 +69,7 @@ def test_mixed_batch_with_lru_churn_and_preemption(lora_case):
         outs = k.complete(prompts, ids, max_tokens=MAX_NEW, ignore_eos=True)
         m = k.adapter_manager
         assert m.evictions > 0 and k.engine.scheduler.num_preemptions > 0
-        assert len(k.stats()["resident"]) <= 3
+        assert len(k.stats().resident) <= 3
     assert [o.token_ids for o in outs] == refs
 
 
@@ -133,7 +133,7 @@ def test_hot_load_unload_under_traffic(llama_dir, tmp_path):
         assert victim == hf_greedy(peft, prompt, long_new, adapter_names=[names[0]])
         assert others == [hf_greedy(peft, prompt, long_new, adapter_names=[n]) for n in names[1:3]]
         assert late == hf_greedy(peft, prompt, 8, adapter_names=[names[3]])
-        assert not k.has_adapter(names[0]) and names[0] not in k.stats()["resident"]
+        assert not k.has_adapter(names[0]) and names[0] not in k.stats().resident
 
 
 def test_cold_adapter_waits_while_others_decode(llama_dir, tmp_path):

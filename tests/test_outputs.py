@@ -10,7 +10,7 @@ import random
 import pytest
 
 from app.replica.outputs import Delta, OutputProcessor
-from app.replica.sampling import SamplingParams
+from app.sampling_params import SamplingParams
 from app.replica.sequence import Sequence
 from tests.fixtures.models import build_tokenizer
 

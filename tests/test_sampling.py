@@ -8,15 +8,9 @@ import pytest
 import torch
 
 from app.errors import InvalidRequest
-from app.replica.sampling import (
-    SAMPLING_EPS,
-    SEED_MAX,
-    SEED_MIN,
-    NonFiniteLogits,
-    SamplerState,
-    SamplingParams,
-    sample,
-)
+from app.replica.sampler_state import SamplerState
+from app.replica.sampling import NonFiniteLogits, sample
+from app.sampling_params import SAMPLING_EPS, SEED_MAX, SEED_MIN, SamplingParams
 
 V = 384
 

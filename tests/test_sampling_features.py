@@ -19,7 +19,9 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 from app.errors import InvalidRequest
 from app.replica import sampling
 from app.replica.logits_processors import apply_processors
-from app.replica.sampling import SamplerState, SamplingParams, sample, sample_with_logprobs
+from app.replica.sampler_state import SamplerState
+from app.replica.sampling import sample, sample_with_logprobs
+from app.sampling_params import SamplingParams
 from loraland import LLMKernel
 from tests.fixtures.adapters import SPECS_BY_NAME, make_adapter_set, peft_model_with
 from tests.fixtures.services import redis_server  # noqa: F401

@@ -6,7 +6,7 @@ import pytest
 
 from app.replica.fairness import make_policy
 from app.replica.kv_cache import BlockAllocator
-from app.replica.sampling import SamplingParams
+from app.sampling_params import SamplingParams
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence, Status
 

@@ -11,38 +11,33 @@ import json
 from app.catalog.conn import CatalogConnection, guard
 from app.catalog.records import ReplicaInfo
 from app.errors import InvalidRequest
+from app.protocol import ReplicaStats
 
 
 class ReplicaDirectory(CatalogConnection):
     """Mixed into Catalog (app/catalog/store.py)."""
 
     @guard
-    def heartbeat(
-        self,
-        replica_id: str,
-        *,
-        resident: list[str],
-        free_slots: int,
-        load: float,
-        queue_len: int,
-        kv_usage: float,
-        ttl_s: float = 10.0,
-        extra: dict | None = None,
-    ) -> None:
-        """Report a replica alive with what it holds; it drops out of placement ttl_s after its last beat."""
+    def heartbeat(self, stats: ReplicaStats, *, load: float, ttl_s: float = 10.0) -> None:
+        """Report a replica alive with its stats (`load`: the fraction of its request capacity in use); it
+        drops out of placement ttl_s after its last beat."""
+        replica_id = stats.replica_id
         if not isinstance(replica_id, str) or not replica_id:
             raise InvalidRequest("replica_id must be a non-empty string")
         if not ttl_s > 0:
             raise InvalidRequest(f"ttl_s must be positive, got {ttl_s}")
-        resident = sorted(set(resident))
+        resident = sorted(set(stats.resident))
+        extra: dict = {"device_resident": list(stats.device_resident), "running": stats.running, **stats.node}
+        if stats.warmed is not None:
+            extra["warmed"] = list(stats.warmed)
         info = {
             "replica_id": replica_id,
             "resident": resident,
-            "free_slots": int(free_slots),
+            "free_slots": int(stats.free_slots),
             "load": float(load),
-            "queue_len": int(queue_len),
-            "kv_usage": float(kv_usage),
-            "extra": extra or {},
+            "queue_len": int(stats.queue_len),
+            "kv_usage": float(stats.kv_usage),
+            "extra": extra,
         }
         ttl_ms = max(1, int(ttl_s * 1000))
         self._scripts["HEARTBEAT"](keys=[], args=[self.ns, replica_id, json.dumps(info), ttl_ms, *resident])

@@ -15,7 +15,8 @@ import redis
 
 from app.catalog.conn import guard, redact_url
 from app.catalog.quotas import QuotaStore
-from app.catalog.records import AdapterRecord, ReplicaInfo
+from app.adapter_record import AdapterRecord
+from app.catalog.records import ReplicaInfo
 from app.catalog.registry import AdapterRegistry
 from app.catalog.replicas import ReplicaDirectory
 from app.catalog.tenants import TenantDirectory, hash_api_key
@@ -51,7 +52,7 @@ class Catalog(AdapterRegistry, TenantDirectory, ReplicaDirectory, QuotaStore):
         {"type": "key_rotated"|"tenant_deleted", "tenant"} for API keys. Redis pub/sub is fire-and-forget:
         events published while a subscriber is disconnected are lost, so a subscriber that must be exact
         re-reads the catalog after a reconnect, or bounds how long it trusts what it cached (the ingress's
-        key cache: app/router/auth.py)."""
+        key cache: app/router/http/auth.py)."""
 
         def on_message(msg: dict) -> None:
             try:

@@ -53,20 +53,23 @@ class Composition:
             self.chain = None
 
     # ------------------------------------------------------------------ resolution
-    def spec(self, adapter_id: str | None) -> ModelSpec:
-        """The parsed adapter id; None means the adaptive chain, or the base model when there is none."""
+    def spec(self, adapter_id: str | ModelSpec | None) -> ModelSpec:
+        """The parsed adapter id (a ModelSpec is already parsed: the replica's requests arrive so); None means
+        the adaptive chain, or the base model when there is none."""
         if adapter_id is None:
             return self.chain or ModelSpec()
+        if isinstance(adapter_id, ModelSpec):
+            return adapter_id
         if not isinstance(adapter_id, str):
             raise InvalidRequest(f"adapter id must be a string or None, got {type(adapter_id).__name__}")
         return parse_model(adapter_id, self.base_ids)
 
-    def stages(self, adapter_id: str | None) -> Stages:
+    def stages(self, adapter_id: str | ModelSpec | None) -> Stages:
         """Adapter keys, one per pipeline stage, building the virtual adapter of any new merge (blocking)."""
         spec = self.spec(adapter_id)
         return [self._stage_key(st, spec.method(i), build=True) for i, st in enumerate(spec.stages)] or [None]
 
-    def lookup(self, adapter_id: str | None) -> Stages | None:
+    def lookup(self, adapter_id: str | ModelSpec | None) -> Stages | None:
         """As `stages`, without building: None when a merge has no virtual adapter yet (then call `stages`
         off the event loop). Raises as `stages` does for unknown adapters and bad ids."""
         spec = self.spec(adapter_id)
@@ -81,8 +84,7 @@ class Composition:
             key = m.resolve(t.name)
         else:
             key = f"{t.name}@{t.version}"
-            e = m.entries.get(key)
-            key = key if e is not None and not e.retired else None
+            key = key if m.is_live(key) else None
         if key is None:
             raise UnknownAdapter(f"adapter {t.ref!r} is not loaded on this kernel; loaded: {m.names()}")
         return key

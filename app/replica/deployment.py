@@ -3,22 +3,58 @@
 Requests arrive through the adapter-affinity router with the adapter as the multiplexed model id, but the
 replica does not use `@serve.multiplexed` (one model object per id) or `@serve.batch` (batches split by id):
 the kernel holds all adapters and batches requests of different adapters together itself. The work is done
-by ReplicaCore (app/replica/core.py); this module adapts it to Serve, and to the ingress in-process. What
-crosses between them is app/protocol.py's dataclasses, never plain dicts.
+by ReplicaCore (app/replica/core.py); this module is the Ray edge that adapts it to Serve, and to the ingress
+in-process: the only place on the replica side where an exception becomes a `Failure`. What crosses between
+them is app/protocol.py's dataclasses, never plain dicts (inspect_adapter's summary aside: the admin API's JSON).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from app.config.app_config import AppConfig
-from app.protocol import Failure, ReplicaRequest, ReplyItem, TokenizeCall, TokenizeReply
+from app.errors import LoraLandError
+from app.protocol import (
+    Failure,
+    ReplicaHello,
+    ReplicaRequest,
+    ReplicaStats,
+    ReplyItem,
+    TokenizeCall,
+    TokenizeReply,
+)
 from app.replica.core import ReplicaCore
-from app.replica.faults import fault_hook_from_env
 
 __all__ = ["LocalBackend", "ReplicaCore", "make_replica_deployment"]
+
+log = logging.getLogger("loraland.replica")
+T = TypeVar("T")
+
+
+def _failure(exc: BaseException, replica_id: str, what: str) -> Failure:
+    if not isinstance(exc, LoraLandError):
+        log.exception("%s failed on replica %s", what, replica_id, exc_info=exc)
+    return Failure.of(exc)
+
+
+async def reply_items(core: ReplicaCore, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
+    """The reply stream app/protocol.py defines: a ReplicaHello, then the core's deltas, or one Failure."""
+    yield ReplicaHello(core.replica_id)
+    try:
+        async for item in core.generate(request):
+            yield item
+    except Exception as e:
+        yield _failure(e, core.replica_id, "request")
+
+
+async def answer(core: ReplicaCore, call: Awaitable[T], what: str) -> T | Failure:
+    """A unary call's result, or its Failure (sent in-band, like generate's)."""
+    try:
+        return await call
+    except Exception as e:
+        return _failure(e, core.replica_id, what)
 
 
 class LocalBackend:
@@ -28,13 +64,13 @@ class LocalBackend:
         self.core = core
 
     def stream(self, request: ReplicaRequest, model_id: str) -> AsyncIterator[ReplyItem]:
-        return self.core.generate(request)
+        return reply_items(self.core, request)
 
     async def call(self, method: str, *args: Any) -> dict | TokenizeReply | Failure:
         if method == "inspect_adapter":
-            return await self.core.inspect(*args)
+            return await answer(self.core, self.core.inspect_adapter(*args), method)
         if method == "tokenize":
-            return await self.core.tokenize(*args)
+            return await answer(self.core, self.core.tokenize(*args), method)
         raise ValueError(f"unknown replica method {method!r}")
 
 
@@ -67,7 +103,7 @@ def make_replica_deployment(cfg: AppConfig):
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
         request_router_config=RequestRouterConfig(
-            request_router_class="app.router.request_router:AdapterAffinityRouter",
+            request_router_class="app.router.routing.request_router:AdapterAffinityRouter",
             request_router_kwargs=dict(cfg.router),
             request_routing_stats_period_s=cfg.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 5 * cfg.routing_stats_period_s),
@@ -87,33 +123,32 @@ def make_replica_deployment(cfg: AppConfig):
             cfg = AppConfig.from_dict(config)
             torch.set_num_threads(cfg.threads)
             node = {
+                "actor_name": rid.to_full_id_str(),
+                "threads": cfg.threads,
                 "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(),
             }
-            self.core = ReplicaCore(
-                cfg, rid.unique_id, extra={"actor_name": rid.to_full_id_str(), "threads": cfg.threads, **node}
-            )
-            self.core.kernel.engine.fault_hook = fault_hook_from_env(self.core.kernel.tokenizer)  # tests only
+            self.core = ReplicaCore(cfg, rid.unique_id, node=node)
             self.core.start()
             # Serve routes to a replica only once its constructor returns: the hot adapters load first.
             await self.core.warm_up()
 
         async def generate(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
-            async for item in self.core.generate(request):
+            async for item in reply_items(self.core, request):
                 yield item
 
         async def inspect_adapter(self, uri: str) -> dict | Failure:
-            return await self.core.inspect(uri)
+            return await answer(self.core, self.core.inspect_adapter(uri), "inspect_adapter")
 
         async def tokenize(self, call: TokenizeCall) -> TokenizeReply | Failure:
-            return await self.core.tokenize(call)
+            return await answer(self.core, self.core.tokenize(call), "tokenize")
 
-        def record_routing_stats(self) -> dict[str, Any]:
-            return self.core.routing_stats()
+        def record_routing_stats(self) -> ReplicaStats:
+            return self.core.stats()
 
         def check_health(self) -> None:
             # The kernel's step loop runs on its own thread; if it died, no request can finish here.
-            if not self.core.kernel.engine.is_alive():
+            if not self.core.healthy():
                 raise RuntimeError("the kernel's step loop died")
 
         def __del__(self):

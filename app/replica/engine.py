@@ -14,8 +14,14 @@ from typing import Any
 import torch
 
 from app.config.kernel_config import KernelConfig
-from app.errors import InvalidRequest, QueueFull
-from app.protocol import Failure
+from app.errors import (
+    AdapterUnavailable,
+    InternalError,
+    InvalidAdapter,
+    InvalidRequest,
+    LoraLandError,
+    QueueFull,
+)
 from app.replica.batch_builder import BatchBuilder, PromptRows
 from app.replica.fairness import AdmissionPolicy
 from app.replica.grammar import GrammarState
@@ -25,9 +31,10 @@ from app.replica.lora.null import AdapterHooks, NullAdapters
 from app.replica.memory import keep_freed_memory
 from app.replica.model import Model
 from app.replica.outputs import Delta, OutputProcessor
-from app.replica.sampling import NonFiniteLogits, SamplingParams, sample_with_logprobs
+from app.replica.sampling import NonFiniteLogits, sample_with_logprobs
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
+from app.sampling_params import SamplingParams
 
 log = logging.getLogger("loraland.engine")
 
@@ -106,21 +113,8 @@ class Engine:
         self._stop = False
 
     # ------------------------------------------------------------------ submission (any thread)
-    def add(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        on_delta: Callable[[Delta], None],
-        *,
-        adapter: str | None = None,
-        tenant: str | None = None,
-        grammar: Any = None,
-    ) -> Sequence:
-        """Queue a request; `adapter` is the adapter manager's key (None = base model), `tenant` whose request it
-        is for fair admission (None = the anonymous tenant), `grammar` the compiled response_format grammar
-        (compiled by the caller, off the step loop: app/replica/grammar.py)."""
-        if (grammar is None) != (params.response_format is None):
-            raise ValueError("a response_format needs its compiled grammar, and only it")
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest (naming what to change) if this prompt with these parameters cannot run here."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty: give at least one token")
         n = len(prompt_ids)
@@ -145,6 +139,23 @@ class Engine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks but the cache "
                 f"has {self.cfg.num_kv_blocks} of {self.cfg.block_size} tokens: lower max_tokens or the prompt"
             )
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_delta: Callable[[Delta], None],
+        *,
+        adapter: str | None = None,
+        tenant: str | None = None,
+        grammar: Any = None,
+    ) -> Sequence:
+        """Queue a request; `adapter` is the adapter manager's key (None = base model), `tenant` whose request it
+        is for fair admission (None = the anonymous tenant), `grammar` the compiled response_format grammar
+        (compiled by the caller, off the step loop: app/replica/grammar.py)."""
+        if (grammar is None) != (params.response_format is None):
+            raise ValueError("a response_format needs its compiled grammar, and only it")
+        self.check(prompt_ids, params)
         seq = Sequence(
             next(self._ids),
             list(prompt_ids),
@@ -210,7 +221,7 @@ class Engine:
                 # no row of it has logits, so every running sequence fails. Anything one row can cause
                 # (non-finite logits, an error drawing its token) fails that sequence alone in `step`.
                 log.exception("engine step failed")
-                self._fail_running(Failure("internal", f"internal error in the engine step: {e}"))
+                self._fail_running(f"internal error in the engine step: {e}")
         self.adapters.close()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, "abort")
@@ -235,7 +246,7 @@ class Engine:
         failed = self.adapters.poll()
         for seq in [s for s in self.scheduler.waiting if s.adapter in failed]:
             message = f"adapter {seq.adapter} could not be loaded: {failed[seq.adapter]}"
-            self._finish(seq, "abort", Failure("AdapterUnavailable", message, retryable=True))
+            self._finish(seq, "abort", AdapterUnavailable(message))
         batch = self.scheduler.schedule()
         if not batch.items:
             return False
@@ -284,22 +295,20 @@ class Engine:
             # 0 * inf is NaN, so clear the non-finite values before its blocks go back to the pool.
             self._scrub(seq.block_ids)
             if seq.adapter:  # the adapter is at fault (the base model alone gives finite logits): a 400
-                failure = Failure(
-                    "InvalidAdapter",
+                error: LoraLandError = InvalidAdapter(
                     f"adapter {seq.adapter!r} produced non-finite logits (inf/NaN) for this request, so no "
-                    "token can be sampled: its weights are likely absurdly large or corrupt; check them",
+                    "token can be sampled: its weights are likely absurdly large or corrupt; check them"
                 )
             else:
-                failure = Failure("internal", "the base model produced non-finite logits (inf/NaN)")
+                error = InternalError("the base model produced non-finite logits (inf/NaN)")
+        elif isinstance(exc, LoraLandError):
+            error = exc
         else:
             log.error("sampling failed for sequence %d only", seq.seq_id, exc_info=exc)
-            failure = Failure.of(exc)
-            if failure.kind == "internal":
-                failure = Failure(
-                    "internal",
-                    f"internal error while sampling this request ({type(exc).__name__}); see the server log",
-                )
-        self._finish(seq, "abort", failure)
+            error = InternalError(
+                f"internal error while sampling this request ({type(exc).__name__}); see the server log"
+            )
+        self._finish(seq, "abort", error)
 
     def _scrub(self, block_ids: list[int]) -> None:
         """Zero the inf/NaN entries of these KV blocks (finite values, shared prefix blocks, stay as they are)."""
@@ -319,16 +328,16 @@ class Engine:
             self.adapters.finished(seq)
         seq.output.on_delta(delta)
 
-    def _finish(self, seq: Sequence, reason: str, failure: Failure | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: LoraLandError | None = None) -> None:
         if seq.is_finished:
             return
         self.scheduler.finish(seq, reason)
         self.adapters.finished(seq)
-        seq.output.on_delta(Delta("", [], reason, len(seq.prompt_ids), len(seq.output_ids), failure))
+        seq.output.on_delta(Delta("", [], reason, len(seq.prompt_ids), len(seq.output_ids), error))
 
-    def _fail_running(self, failure: Failure) -> None:
-        for seq in list(self.scheduler.running):
-            self._finish(seq, "abort", failure)
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.scheduler.running):  # one exception each: each is raised in its own consumer
+            self._finish(seq, "abort", InternalError(message))
 
     # ------------------------------------------------------------------ asyncio front
     async def stream(

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from app.config.kernel_config import KernelConfig
 from app.config.model_config import ModelConfig
 from app.errors import InvalidRequest, UnknownAdapter
-from app.names import check_name
-from app.protocol import Failure
+from app.names import ModelSpec, check_name
 from app.replica.adapter_reader import AdapterReader
-from app.replica.composition import Composition
+from app.replica.chat import render_chat
+from app.replica.composition import Composition, Stages
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.fairness import make_policy
 from app.replica.grammar import Grammars
@@ -30,11 +31,16 @@ from app.replica.lora.manager import AdapterManager
 from app.replica.memory import release_free_memory
 from app.replica.model import Model, resolve_dtype
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
-from app.replica.sampling import SamplingParams
+from app.replica.sequence import Sequence
+from app.sampling_params import SamplingParams
 
 log = logging.getLogger("loraland.kernel")
 
 Prompt = str | list[int]
+AdapterId = (
+    str | ModelSpec | None
+)  # a model id ("a", "a@2", "a|b", "a*0.5+b*0.5"), parsed or not; None = base
+T = TypeVar("T")
 LONG_PROMPT_CHARS = 4096  # generate() tokenizes prompts longer than this off the event loop
 TRIM_AFTER_CHARS = 1 << 18  # after tokenizing a longer prompt, hand freed heap pages back (memory.py)
 
@@ -47,6 +53,36 @@ class Completion:
     prompt_tokens: int
     logprobs: list[SampleLogprobs] | None = None  # one per token id, when asked (sampling's `logprobs`)
     prompt_logprobs: list[SampleLogprobs] | None = None  # one per prompt token (`prompt_logprobs`)
+
+    def add(self, d: Delta) -> None:
+        """Fold one more delta of the stream in (the engine's text has stop strings and tokens applied)."""
+        self.text += d.text
+        self.token_ids.extend(d.token_ids)
+        self.prompt_tokens = d.prompt_tokens
+        if d.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + d.logprobs
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+
+
+@dataclass(frozen=True)
+class KernelStats:
+    """A snapshot of the kernel's queues, KV cache and adapters (what a replica reports and its gauges show)."""
+
+    resident: tuple[str, ...]  # adapter names in a device slot
+    in_memory: tuple[str, ...]  # names servable without a fetch: host memory, a device slot, or reading in
+    loaded: tuple[str, ...]  # every registered name (its loader re-reads it after a host eviction)
+    host_cached: int  # adapters parsed in host memory
+    free_slots: int
+    queue_len: int
+    running: int
+    kv_usage: float
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queries: int
+    prefix_hits: int
 
 
 class LLMKernel:
@@ -185,7 +221,9 @@ class LLMKernel:
         self.composition.set_chain(names)
 
     # ------------------------------------------------------------------ requests
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids (a list of ids is checked and kept); a string too long to fit is refused before
+        tokenizing it."""
         if isinstance(prompt, str):
             if len(prompt) > self.max_prompt_chars:
                 raise InvalidRequest(
@@ -201,163 +239,150 @@ class LLMKernel:
             return list(prompt)
         raise InvalidRequest("each prompt must be a string or a list of token ids")
 
-    @staticmethod
-    def _stage_params(params: SamplingParams, grammar: Any, last: bool) -> tuple[SamplingParams, Any]:
-        """A chain's response_format shapes its last stage's output alone (earlier stages feed prompts)."""
-        if last or params.response_format is None:
-            return params, grammar
-        return dataclasses.replace(params, response_format=None), None
+    async def tokenize_async(self, prompt: Prompt) -> list[int]:
+        """`tokenize` without stalling the caller's event loop on a long prompt (the fast tokenizer releases the
+        GIL); a short one costs less than the thread hop."""
+        if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(self.tokenize, prompt)
+        return self.tokenize(prompt)
 
-    async def generate(
-        self, prompt: Prompt, adapter_id: str | None = None, *, tenant: str | None = None, **sampling
-    ) -> AsyncIterator[Delta]:
-        """Stream Deltas for one prompt (abandoning the iterator aborts the request). A chain runs its
-        earlier stages to completion and streams the last one. `tenant`: whose request, for fair admission.
-        Log probabilities (`logprobs`) are the streamed stage's; prompt log probabilities (`prompt_logprobs`)
-        are of the caller's prompt under the first stage, and arrive with the first delta."""
-        params = SamplingParams.from_kwargs(**sampling)
-        later = (
-            dataclasses.replace(params, prompt_logprobs=None)
-            if params.prompt_logprobs is not None
-            else params
-        )
-        first_prompt_logprobs = None
-        # A long prompt is tokenized on a worker thread (the fast tokenizer releases the GIL), so the caller's
-        # event loop keeps serving; a short one costs less than the thread hop.
-        long = isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS
-        ids = await asyncio.to_thread(self._prompt_ids, prompt) if long else self._prompt_ids(prompt)
+    def render_chat(self, messages: Seq[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """A chat's prompt text, through the tokenizer's chat template."""
+        return render_chat(list(messages), self.tokenizer, add_generation_prompt=add_generation_prompt)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest if this prompt with these parameters cannot run on this model (vocabulary,
+        max_model_len, KV capacity): what a caller checks before fetching adapters for it."""
+        self.engine.check(prompt_ids, params)
+
+    def set_fault_hook(self, hook: Callable[[Sequence], None] | None) -> None:
+        """Tests only: called with each sequence that samples in a step; raising fails that sequence alone."""
+        self.engine.fault_hook = hook
+
+    def is_alive(self) -> bool:
+        """False once the step loop has died (no request could finish here)."""
+        return self.engine.is_alive()
+
+    def _params(self, params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
+        if params is None:
+            return SamplingParams.from_kwargs(**sampling)
+        if sampling:
+            raise InvalidRequest(
+                f"give either params or sampling keywords, not both (got {sorted(sampling)})"
+            )
+        return params
+
+    async def _stages(self, adapter_id: AdapterId) -> Stages:
         stages = self.composition.lookup(adapter_id)
         if stages is None:  # a new merge: building it reads (maybe fetches) and concatenates its terms
             stages = await asyncio.to_thread(self.composition.stages, adapter_id)
+        return stages
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        adapter_id: AdapterId = None,
+        *,
+        tenant: str | None = None,
+        params: SamplingParams | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Delta]:
+        """Stream Deltas for one prompt (abandoning the iterator aborts the request): the one pipeline runner.
+        A chain runs its earlier stages to completion, each stage's text the next one's prompt, and streams the
+        last one; a response_format shapes the last stage alone. `tenant`: whose request, for fair admission.
+        Sampling comes as `params` or as keywords (SamplingParams' fields). Log probabilities (`logprobs`) are
+        the streamed stage's; prompt log probabilities are of the caller's prompt under the first stage, and
+        arrive with the first delta. A failed sequence raises its error (an app.errors class)."""
+        params = self._params(params, sampling)
+        ids = await self.tokenize_async(prompt)
+        stages = await self._stages(adapter_id)
         grammar = None
         if params.response_format is not None:  # compiled (or found in the cache) off the step loop
             grammar = await asyncio.to_thread(self.grammars.compile, params.response_format)
-        n_prompt = len(ids)
+        n_prompt, first_prompt_logprobs = len(ids), None
         for i, key in enumerate(stages):
             last = i == len(stages) - 1
+            stage = params if i == 0 else dataclasses.replace(params, prompt_logprobs=None)
+            if not last and stage.response_format is not None:
+                stage = dataclasses.replace(stage, response_format=None)
             text = ""
-            stage, g = self._stage_params(params if i == 0 else later, grammar, last)
-            async for d in self.engine.stream(ids, stage, adapter=key, tenant=tenant, grammar=g):
-                if d.failure is not None:
-                    raise d.failure.to_exception()
-                if i == 0 and not last and d.prompt_logprobs is not None:
-                    first_prompt_logprobs = d.prompt_logprobs
-                if last:
-                    d.prompt_tokens = n_prompt
-                    if i > 0 and first_prompt_logprobs is not None:
-                        d.prompt_logprobs, first_prompt_logprobs = first_prompt_logprobs, None
-                    yield d
-                else:
+            async for d in self.engine.stream(
+                ids, stage, adapter=key, tenant=tenant, grammar=grammar if last else None
+            ):
+                if d.error is not None:
+                    raise d.error
+                if not last:
                     text += d.text
+                    if d.prompt_logprobs is not None:
+                        first_prompt_logprobs = d.prompt_logprobs
+                    continue
+                d.prompt_tokens = n_prompt
+                if i > 0 and first_prompt_logprobs is not None:
+                    d.prompt_logprobs, first_prompt_logprobs = first_prompt_logprobs, None
+                yield d
             if not last:
                 ids = self._stage_output(text, params)
+
+    def _stage_output(self, text: str, params: SamplingParams) -> list[int]:
+        """The next stage's prompt: the previous stage's text, tokenized again."""
+        nxt = self.tokenize(text) if text else []
+        if not nxt:
+            raise InvalidRequest("a chain stage produced no text to feed the next stage; raise max_tokens")
+        return nxt[-(self.max_model_len - params.max_tokens) :] if len(nxt) >= self.max_model_len else nxt
 
     def complete(
         self,
         prompts: Seq[Prompt],
-        adapter_ids: Seq[str | None] | None = None,
+        adapter_ids: Seq[AdapterId] | None = None,
         *,
         tenant: str | None = None,
-        **sampling,
+        params: SamplingParams | None = None,
+        **sampling: Any,
     ) -> list[Completion]:
+        """Run every prompt (each under its adapter id) to completion in the shared batch; blocks the caller.
+        Every prompt is checked before any runs."""
         if isinstance(prompts, str):
             prompts = [prompts]
         adapter_ids = [None] * len(prompts) if adapter_ids is None else list(adapter_ids)
         if len(adapter_ids) != len(prompts):
             raise InvalidRequest(f"got {len(prompts)} prompts but {len(adapter_ids)} adapter_ids")
-        params = SamplingParams.from_kwargs(**sampling)
-        later = (
-            dataclasses.replace(params, prompt_logprobs=None)
-            if params.prompt_logprobs is not None
-            else params
-        )
-        ids = [self._prompt_ids(p) for p in prompts]
-        stages = [self.composition.stages(a) for a in adapter_ids]
-        grammar = None if params.response_format is None else self.grammars.compile(params.response_format)
-        n_prompt = [len(x) for x in ids]
-        results: list[Completion | None] = [None] * len(prompts)
-        first_prompt_logprobs: list[list[SampleLogprobs] | None] = [None] * len(prompts)
-        depth = 0
-        while True:  # one round per pipeline depth: every prompt's stage `depth` runs in one batch
-            todo = [i for i in range(len(prompts)) if depth < len(stages[i])]
-            if not todo:
-                break
-            base = params if depth == 0 else later
-            jobs = [
-                (ids[i], stages[i][depth], *self._stage_params(base, grammar, depth == len(stages[i]) - 1))
-                for i in todo
-            ]
-            outs = self._run(jobs, tenant)
-            for i, c in zip(todo, outs):
-                if depth == 0:
-                    first_prompt_logprobs[i] = c.prompt_logprobs
-                if depth == len(stages[i]) - 1:
-                    c.prompt_tokens = n_prompt[i]
-                    c.prompt_logprobs = first_prompt_logprobs[i]  # the caller's prompt, under the first stage
-                    results[i] = c
-                else:
-                    ids[i] = self._stage_output(c.text, params)
-            depth += 1
-        return results
+        params = self._params(params, sampling)
+        ids = [self.tokenize(p) for p in prompts]
+        for x in ids:
+            self.check(x, params)
 
-    def _stage_output(self, text: str, params: SamplingParams) -> list[int]:
-        """The next stage's prompt: the previous stage's text, tokenized again."""
-        nxt = self._prompt_ids(text) if text else []
-        if not nxt:
-            raise InvalidRequest("a chain stage produced no text to feed the next stage; raise max_tokens")
-        return nxt[-(self.max_model_len - params.max_tokens) :] if len(nxt) >= self.max_model_len else nxt
+        async def one(prompt_ids: list[int], adapter_id: AdapterId) -> Completion:
+            c = Completion("", [], "", 0)
+            async for d in self.generate(prompt_ids, adapter_id, tenant=tenant, params=params):
+                c.add(d)
+            return c
 
-    def _run(
-        self, jobs: list[tuple[list[int], str | None, SamplingParams, Any]], tenant: str | None = None
-    ) -> list[Completion]:
-        """Run prompts (each under its adapter key, with its params and compiled grammar or None) in the shared
-        batch; block until all have finished."""
-        done = threading.Semaphore(0)
-        results = [Completion("", [], "", 0) for _ in jobs]
-        failures: list[Failure | None] = [None] * len(jobs)
+        async def run_all() -> list[Completion]:
+            return list(await asyncio.gather(*(one(x, a) for x, a in zip(ids, adapter_ids))))
 
-        def collector(i: int) -> Callable[[Delta], None]:
-            def on_delta(d: Delta) -> None:
-                # The engine's deltas carry text with stop strings and stop tokens applied: no second decode.
-                c = results[i]
-                c.token_ids.extend(d.token_ids)
-                c.text += d.text
-                c.prompt_tokens = d.prompt_tokens
-                if d.logprobs is not None:
-                    c.logprobs = (c.logprobs or []) + d.logprobs
-                if d.prompt_logprobs is not None:
-                    c.prompt_logprobs = d.prompt_logprobs
-                if d.finish_reason is not None:
-                    c.finish_reason, failures[i] = d.finish_reason, d.failure
-                    done.release()
-
-            return on_delta
-
-        for i, (ids, key, params, grammar) in enumerate(jobs):
-            self.engine.add(ids, params, collector(i), adapter=key, tenant=tenant, grammar=grammar)
-        for _ in jobs:
-            done.acquire()
-        for f in failures:
-            if f is not None:
-                raise f.to_exception()
-        return results
+        return _run_blocking(run_all())
 
     def infer(
-        self, prompts: Seq[Prompt], adapter_ids: Seq[str | None] | None = None, **sampling
+        self, prompts: Seq[Prompt], adapter_ids: Seq[AdapterId] | None = None, **sampling: Any
     ) -> list[str]:
         return [c.text for c in self.complete(prompts, adapter_ids, **sampling)]
 
-    def stats(self) -> dict:
-        e, m = self.engine, self.adapter_manager
-        return {
-            "resident": m.resident(),
-            "free_slots": m.free_slots(),
-            "queue_len": e.num_waiting(),
-            "running": len(e.scheduler.running),
-            "kv_usage": e.allocator.usage(),
-            "loaded": m.names(),
-            "in_memory": _in_memory(m),
-        }
+    def stats(self) -> KernelStats:
+        e, m, alloc = self.engine, self.adapter_manager, self.engine.allocator
+        return KernelStats(
+            resident=tuple(m.resident()),
+            in_memory=tuple(m.in_memory()),
+            loaded=tuple(m.names()),
+            host_cached=m.host_count(),
+            free_slots=m.free_slots(),
+            queue_len=e.num_waiting(),
+            running=len(e.scheduler.running),
+            kv_usage=alloc.usage(),
+            kv_blocks_used=alloc.num_used,
+            kv_blocks_total=alloc.num_blocks,
+            prefix_queries=alloc.queries,
+            prefix_hits=alloc.hits,
+        )
 
     def close(self) -> None:
         self.engine.stop()
@@ -369,16 +394,12 @@ class LLMKernel:
         self.close()
 
 
-def _in_memory(m: Any) -> list[str]:
-    """Names whose live version is in host memory, a device slot, or being read back in: what a request can
-    use without fetching again. The registry keeps every adapter ever registered (its loader re-reads it
-    after the host LRU drops it), so `loaded` never shrinks; routers must see this instead. `list()` copies
-    the dict in one step under the GIL, so the engine thread's changes cannot break the iteration."""
-    entries = list(getattr(m, "entries", {}).values())
-    return sorted(
-        {
-            e.name
-            for e in entries
-            if not e.retired and (e.weights is not None or e.slot is not None or e.loading is not None)
-        }
-    )
+def _run_blocking(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to its end from synchronous code, on an event loop of its own (on a thread of its own
+    when the caller is inside a running loop, e.g. a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -17,12 +17,11 @@ SamplerState and updated with the tokens sampled since the last step (one small 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # sampling.py imports this module: types only
-    from app.replica.sampling import SamplerState, SamplingParams
+from app.replica.sampler_state import SamplerState
+from app.sampling_params import SamplingParams
 
 
 def apply_processors(

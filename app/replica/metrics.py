@@ -2,7 +2,7 @@
 step, so the step loop pays nothing for them), and adapter-load records with where the files came from.
 
 The gauges carry no `replica` label of their own: the process is named once (metrics.identify), and the label is
-added to every series of the process when the ingress merges the cluster's snapshots (app/router/metrics.py).
+added to every series of the process when the ingress merges the cluster's snapshots (app/router/http/metrics.py).
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from app import metrics
 from app import metrics_core as mc
+from app.adapter_record import AdapterRecord
 
 log = logging.getLogger("loraland.replica")
 
@@ -36,10 +38,9 @@ class ReplicaGauges:
         self.core = core
 
     def __call__(self) -> list[list]:
-        kernel, rid = self.core.kernel, [self.core.replica_id]
+        rid = [self.core.replica_id]
         try:
-            s = kernel.stats()
-            alloc, host = kernel.engine.allocator, len(kernel.adapter_manager.host_lru)
+            s = self.core.kernel.stats()
         except Exception as e:  # a kernel that is closing: report nothing rather than fail the scrape
             log.debug("replica gauges unavailable: %s", e)
             return []
@@ -52,23 +53,23 @@ class ReplicaGauges:
 
         disk = disk_cached(self.core.hub.cache.root)
         tiers = [
-            [[*rid, "device"], len(s.get("resident") or ())],
-            [[*rid, "host"], host],
+            [[*rid, "device"], len(s.resident)],
+            [[*rid, "host"], s.host_cached],
             [[*rid, "disk"], disk],
         ]
         return [
-            g("loraland_queue_depth", "Sequences waiting for a place in the batch", s.get("queue_len", 0)),
-            g("loraland_running_sequences", "Sequences in the running batch", s.get("running", 0)),
-            g("loraland_kv_blocks_used", "KV cache blocks in use", alloc.num_used),
-            g("loraland_kv_blocks_total", "KV cache blocks", alloc.num_blocks),
+            g("loraland_queue_depth", "Sequences waiting for a place in the batch", s.queue_len),
+            g("loraland_running_sequences", "Sequences in the running batch", s.running),
+            g("loraland_kv_blocks_used", "KV cache blocks in use", s.kv_blocks_used),
+            g("loraland_kv_blocks_total", "KV cache blocks", s.kv_blocks_total),
             g(
                 "loraland_prefix_cache_hit_ratio",
                 "Prefix-cache block lookups that hit, since the replica started",
-                alloc.hits / alloc.queries if alloc.queries else 0.0,
+                s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,
             ),
-            c("loraland_prefix_cache_queries", "Prefix-cache block lookups", alloc.queries),
-            c("loraland_prefix_cache_hits", "Prefix-cache block lookups that hit", alloc.hits),
-            g("loraland_adapter_slots_free", "Free adapter slots on the device", s.get("free_slots", 0)),
+            c("loraland_prefix_cache_queries", "Prefix-cache block lookups", s.prefix_queries),
+            c("loraland_prefix_cache_hits", "Prefix-cache block lookups that hit", s.prefix_hits),
+            g("loraland_adapter_slots_free", "Free adapter slots on the device", s.free_slots),
             mc.family(
                 "loraland_adapters_resident",
                 "gauge",
@@ -94,21 +95,21 @@ def load_source(hub: Any, uri: str, files: dict[str, str] | None) -> str:
 class LoadTimer:
     """Times one adapter load on a replica and records it: count, latency and bytes by source, or a failure."""
 
-    def __init__(self, hub: Any, record: dict):
+    def __init__(self, hub: Any, record: AdapterRecord):
         self.record = record
-        self.source = load_source(hub, record["uri"], record.get("files")) if metrics.enabled() else ""
+        self.source = load_source(hub, record.uri, record.files) if metrics.enabled() else ""
         self.t0 = time.monotonic()
 
     def done(self) -> None:
         if not metrics.enabled():
             return
-        name, seconds = self.record["name"], time.monotonic() - self.t0
-        nbytes = int(self.record.get("size") or 0)
+        name, seconds = self.record.name, time.monotonic() - self.t0
+        nbytes = int(self.record.size or 0)
         metrics.ADAPTER_LOADS.labels(metrics.adapter_seen(name), self.source).inc()
         metrics.ADAPTER_LOAD_SECONDS.labels(self.source).observe(seconds)
         metrics.ADAPTER_LOAD_BYTES.labels(self.source).inc(nbytes)
         metrics.event(
-            "load", adapter=self.record["ref"], source=self.source, seconds=round(seconds, 4), bytes=nbytes,
+            "load", adapter=self.record.ref, source=self.source, seconds=round(seconds, 4), bytes=nbytes,
             **metrics.identity(),
         )  # fmt: skip
 
@@ -122,15 +123,15 @@ class LoadTimer:
     def failed(self, err: BaseException) -> None:
         if not metrics.enabled():
             return
-        metrics.ADAPTER_LOAD_FAILURES.labels(metrics.adapter_seen(self.record["name"])).inc()
+        metrics.ADAPTER_LOAD_FAILURES.labels(metrics.adapter_seen(self.record.name)).inc()
         metrics.event(
-            "error", where="adapter load", adapter=self.record["ref"], status=None,
+            "error", where="adapter load", adapter=self.record.ref, status=None,
             message=str(err)[:300], **metrics.identity(),
         )  # fmt: skip
 
 
-def note_request(records: Any) -> None:
+def note_request(records: Iterable[AdapterRecord]) -> None:
     """Count a request's adapters as traffic on this replica, so its own top-K labels follow its load."""
     if metrics.enabled():
         for r in records:
-            metrics.adapters(r["name"])
+            metrics.adapters(r.name)

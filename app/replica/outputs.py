@@ -15,42 +15,11 @@ that ends in new text may begin.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
-from app.protocol import Failure
 from app.replica.logprobs import SampleLogprobs
-from app.replica.sampling import SamplingParams
+from app.replica.output_state import Delta, OutputState
 from app.replica.sequence import Sequence
-
-
-@dataclass
-class Delta:
-    """New output of one request since the previous delta."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    failure: Failure | None = None  # set when the request failed (finish_reason "abort")
-    logprobs: list[SampleLogprobs] | None = None  # one per token of token_ids, when the request asked
-    prompt_logprobs: list[SampleLogprobs] | None = None  # one per prompt token, in the first delta only
-
-
-@dataclass
-class OutputState:
-    """One request's output side: where its deltas go and how far its text has been decoded and sent."""
-
-    on_delta: Callable[[Delta], None]
-    stops: tuple[str, ...]
-    hold: int  # characters held back because they may begin a stop string
-    prefix_offset: int = 0  # output tokens [prefix_offset, read_offset) decode to `prefix_text`
-    read_offset: int = 0  # output tokens before it are committed text
-    prefix_text: str = ""
-    pending: str = ""  # what the tokens past read_offset add so far (ends in U+FFFD, or is empty)
-    tail: str = ""  # committed text from (sent characters - hold) on, at most
-    tail_sent: int = 0  # how many characters of `tail + pending` were already sent
-    sent_tokens: int = 0
+from app.sampling_params import SamplingParams
 
 
 class OutputProcessor:

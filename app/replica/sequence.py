@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from app.replica.logprobs import SampleLogprobs
-from app.replica.sampling import SamplerState, SamplingParams
-
-if TYPE_CHECKING:  # the output side imports nothing from here at run time; keep sequence.py a leaf
-    from app.replica.outputs import OutputState
+from app.replica.output_state import OutputState
+from app.replica.sampler_state import SamplerState
+from app.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -17,13 +17,16 @@ import time
 from collections import Counter
 from typing import Any
 
+from app.adapter_record import AdapterRecord
+from app.replica.adapter_fetch import AdapterFetcher
+
 log = logging.getLogger("loraland.replica")
 
 WARM_TIMEOUT_S = 120.0  # a replica that cannot warm in this long starts anyway: cold loads beat no replica
 WARM_CONCURRENCY = 4
 
 
-def hot_records(catalog: Any, limit: int) -> list[dict]:
+def hot_records(catalog: Any, limit: int) -> list[AdapterRecord]:
     """The newest loadable version of the `limit` adapter names the most live replicas hold."""
     if limit <= 0 or catalog is None:
         return []
@@ -34,30 +37,32 @@ def hot_records(catalog: Any, limit: int) -> list[dict]:
     for name, _ in counts.most_common():
         record = catalog.get(name)
         if record is not None and not record.unloadable:
-            out.append(record.to_dict())
+            out.append(record)
             if len(out) == limit:
                 break
     return out
 
 
-async def warm_up(core: Any, limit: int, timeout_s: float = WARM_TIMEOUT_S) -> list[str]:
-    """Load the hot adapters into `core` (a ReplicaCore); returns the refs loaded. Failures are logged, not
-    raised: a replica that cannot warm still serves, loading on demand."""
+async def warm_up(
+    catalog: Any, fetcher: AdapterFetcher, limit: int, timeout_s: float = WARM_TIMEOUT_S
+) -> list[str]:
+    """Load the hot adapters through `fetcher`; returns the refs loaded. Failures are logged, not raised: a
+    replica that cannot warm still serves, loading on demand."""
     t0 = time.monotonic()
     try:
-        records = await asyncio.to_thread(hot_records, core.catalog, limit)
+        records = await asyncio.to_thread(hot_records, catalog, limit)
     except Exception as e:
         log.warning("warm-up skipped: cannot read the placement (%s)", e)
         return []
     gate = asyncio.Semaphore(WARM_CONCURRENCY)
 
-    async def one(record: dict) -> str | None:
+    async def one(record: AdapterRecord) -> str | None:
         async with gate:
             try:
-                await core.ensure(record)
-                return record["ref"]
+                await fetcher.ensure(record)
+                return record.ref
             except Exception as e:
-                log.warning("warm-up: %s not loaded (%s); it loads on first use", record["ref"], e)
+                log.warning("warm-up: %s not loaded (%s); it loads on first use", record.ref, e)
                 return None
 
     try:

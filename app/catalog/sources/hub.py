@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from app.catalog.records import AdapterRecord, manifest_sha256
+from app.adapter_record import AdapterRecord, manifest_sha256
 from app.catalog.sources import hf, local, s3
 from app.catalog.sources.disk_cache import DiskCache
 from app.catalog.sources.verify import adapter_files, check_size, hash_folder

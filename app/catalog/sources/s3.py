@@ -21,7 +21,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from app.catalog.records import manifest_sha256
+from app.adapter_record import manifest_sha256
 from app.catalog.sources import s3_api
 from app.catalog.sources.disk_cache import DiskCache
 from app.catalog.sources.verify import check_size, is_adapter_file, mismatch

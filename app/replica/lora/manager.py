@@ -159,6 +159,29 @@ class AdapterManager:
     def names(self) -> list[str]:
         return sorted(self.current)
 
+    def in_memory(self) -> list[str]:
+        """Names whose live version is in host memory, a device slot, or being read back in: what a request can
+        use without fetching again (`names` never shrinks: the registry keeps every adapter's loader, to read
+        it again after the host LRU drops it). `list()` copies the dict in one step under the GIL, so the
+        engine thread's changes cannot break the iteration."""
+        entries = list(self.entries.values())
+        return sorted(
+            {
+                e.name
+                for e in entries
+                if not e.retired and (e.weights is not None or e.slot is not None or e.loading is not None)
+            }
+        )
+
+    def host_count(self) -> int:
+        """Adapters parsed in host memory (the host LRU's length)."""
+        return len(self.host_lru)
+
+    def is_live(self, key: str) -> bool:
+        """Whether `key` (name@version, or a merge's key) is registered and not retired."""
+        e = self.entries.get(key)
+        return e is not None and not e.retired
+
     def submitted(self, key: str) -> None:
         with self._lock:
             self.entries[key].pending += 1
