@@ -15,7 +15,7 @@ from app.config.app_config import AppConfig, coerce_args
 def build_app(cfg: AppConfig):
     """Bind the two deployments: Ingress(handle to LoraReplica, config)."""
     from app.replica.deployment import make_replica_deployment
-    from app.router.ingress import make_ingress_deployment
+    from app.router.http.ingress import make_ingress_deployment
 
     args = cfg.to_dict()
     replicas = make_replica_deployment(cfg).bind(args)

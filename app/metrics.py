@@ -3,7 +3,7 @@
 One scrape story for a cluster: every LoRA-Land process records into its own registry here; replicas and ingress
 replicas put a snapshot of it in the catalog every `publish_s` seconds (app/catalog/telemetry.py), and any
 ingress answers GET /metrics with its own registry read live plus every other process's latest snapshot, each
-series labelled with the process it came from (`replica="..."` or `ingress="..."`; app/router/metrics.py). So
+series labelled with the process it came from (`replica="..."` or `ingress="..."`; app/router/http/metrics.py). So
 one scrape target (the HTTP address, on any node) covers every node, and nothing needs a port per process.
 
 Label cardinality is bounded: adapter and tenant values pass through a `TopK` (the busiest by recent traffic

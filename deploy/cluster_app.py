@@ -20,7 +20,7 @@ APP_NAME = "loraland"
 def build_cluster_app(cfg: AppConfig):
     """app.main.build_app with placement: replicas need REPLICA_RESOURCE, the ingress INGRESS_RESOURCE."""
     from app.replica.deployment import make_replica_deployment
-    from app.router.ingress import make_ingress_deployment
+    from app.router.http.ingress import make_ingress_deployment
 
     args = cfg.to_dict()
     replicas = make_replica_deployment(cfg).options(

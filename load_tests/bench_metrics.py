@@ -47,8 +47,8 @@ class Stack:
         from app.config.app_config import AppConfig
         from app.replica.deployment import LocalBackend, ReplicaCore
         from app.replica.lora.peft_format import adapter_summary
-        from app.router.auth import Authenticator
-        from app.router.ingress import build_api
+        from app.router.http.auth import Authenticator
+        from app.router.http.ingress import build_api
         from app.router.service import CatalogProxy, IngressService
         from loraland import LLMKernel
 
@@ -140,7 +140,7 @@ def costs(n: int = 20_000) -> dict[str, float]:
     from app import metrics
     from app.config.metrics_config import MetricsConfig
     from app.protocol import ChoiceDelta
-    from app.router.metrics import RequestObserver, exposition
+    from app.router.http.metrics import RequestObserver, exposition
 
     metrics.configure(MetricsConfig())
     specs = [SimpleNamespace(stages=((1,),), canonical=lambda i=i: f"micro{i}@1") for i in range(50)]

@@ -8,7 +8,7 @@ By default the cluster starts as a running one (each adapter resident on one rep
 with empty caches, where every adapter's first request is a miss whatever the policy.
 
 Policies (same replicas, same request stream, same seed):
-- ours: app/router/request_router.py's AdapterAffinityRouter calling app.router.placement.rank_replicas and
+- ours: app/router/routing/request_router.py's AdapterAffinityRouter calling app.router.routing.placement.rank_replicas and
   view_from_stats themselves with the default PlacementPolicy (bounded loads for adapters the router routed
   within its 30 s memory, holders kept until full for the others; load_tests/placement_sim_ours.py explains
   the exact candidate pruning);
@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.router.placement import PlacementPolicy
+from app.router.routing.placement import PlacementPolicy
 from load_tests.placement_sim_core import (
     HIT,
     JOINED,

@@ -1,4 +1,4 @@
-"""Our policy in the simulator: app/router/request_router.py's AdapterAffinityRouter around the real
+"""Our policy in the simulator: app/router/routing/request_router.py's AdapterAffinityRouter around the real
 `placement.rank_replicas` and `placement.view_from_stats`, with what that router sees: replica stats up to
 `stats_period_s` old, its own in-flight counts, and its 30 s memory of where it just sent each adapter, less what
 newer stats show dropped since (`AssignmentMemory.confirmed`, the router's own call). That memory is also what
@@ -22,8 +22,8 @@ import heapq
 import math
 import time
 
-from app.router import placement  # the module, so a test can spy on placement.rank_replicas
-from app.router.assignments import AssignmentMemory
+from app.router.routing import placement  # the module, so a test can spy on placement.rank_replicas
+from app.router.routing.assignments import AssignmentMemory
 from load_tests.placement_sim_core import (
     NO_HOLDER,
     SPILL,

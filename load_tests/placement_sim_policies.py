@@ -1,4 +1,4 @@
-"""Routing policies for the placement simulator: ours (app/router/placement.py, called, not copied), Ray Serve's
+"""Routing policies for the placement simulator: ours (app/router/routing/placement.py, called, not copied), Ray Serve's
 multiplexed power-of-two router (rewritten from Ray's source, see load_tests/placement_sim.py), random, plain
 power-of-two choices, and ours plus pinned replicas of the hottest adapters."""
 

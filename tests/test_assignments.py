@@ -1,9 +1,9 @@
-"""The router's memory of where it just sent each adapter (app/router/assignments.py): what makes an adapter
+"""The router's memory of where it just sent each adapter (app/router/routing/assignments.py): what makes an adapter
 warm for placement.py, shared by AdapterAffinityRouter and the placement simulator."""
 
 import pytest
 
-from app.router.assignments import AssignmentMemory
+from app.router.routing.assignments import AssignmentMemory
 
 
 def test_assignments_expire_after_the_ttl_oldest_first():
@@ -50,7 +50,7 @@ def test_entries_and_forget():
 def test_stats_newer_than_an_assignment_override_it():
     """The router's memory says 'sent to r1 at t'; r1's stats taken well after t without the adapter (neither held
     nor loading) mean it was evicted since: the memory must not keep routing there (a reload each time)."""
-    from app.router.assignments import STATS_LAG_S, dropped_since
+    from app.router.routing.assignments import STATS_LAG_S, dropped_since
 
     t = 1000.0
     assert not dropped_since(
@@ -66,7 +66,7 @@ def test_stats_newer_than_an_assignment_override_it():
 def test_confirmed_skips_gone_replicas_and_forgets_dropped_ones():
     """What the router (and the simulator) route on: memory entries less replicas that are gone and replicas whose
     newer stats show the adapter dropped; the dropped ones are forgotten, the gone ones left to forget_replica."""
-    from app.router.assignments import STATS_LAG_S
+    from app.router.routing.assignments import STATS_LAG_S
 
     m = AssignmentMemory(ttl_s=30.0)
     for rid, t in (("r1", 100.0), ("r2", 100.5), ("r3", 101.0)):

@@ -21,8 +21,8 @@ from app.catalog.store import Catalog
 from app.config.app_config import AppConfig
 from app.errors import InvalidAdapter
 from app.replica.deployment import LocalBackend, ReplicaCore
-from app.router.auth import Authenticator
-from app.router.ingress import build_api
+from app.router.http.auth import Authenticator
+from app.router.http.ingress import build_api
 from app.router.service import CatalogProxy, IngressService
 from tests.fixtures.malformed import MALFORMED, write_malformed
 from tests.fixtures.tiny_adapter import write_tiny_adapter

@@ -516,8 +516,8 @@ def test_tenant_travels_from_the_caller_to_the_kernel(monkeypatch):
     from app.config.app_config import AppConfig
     from app.protocol import ReplicaRequest
     from app.replica.core import ReplicaCore
-    from app.router import openai_schema as oa
-    from app.router.auth import Caller
+    from app.router.http import openai_schema as oa
+    from app.router.http.auth import Caller
     from app.router.service import CatalogProxy, IngressService
 
     monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)

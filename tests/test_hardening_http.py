@@ -24,8 +24,8 @@ from app.config.app_config import AppConfig
 from app.config.settings import Settings
 from app.replica.deployment import LocalBackend, ReplicaCore
 from app.replica.lora.peft_format import adapter_summary
-from app.router.auth import Authenticator
-from app.router.ingress import build_api
+from app.router.http.auth import Authenticator
+from app.router.http.ingress import build_api
 from app.router.service import CatalogProxy, IngressService
 from tests.fixtures.adapters import write_corrupt_adapter
 from tests.fixtures.services import aws_env, make_bucket, redis_server, s3_server  # noqa: F401

@@ -17,8 +17,8 @@ from app.catalog.store import Catalog
 from app.config.app_config import AppConfig
 from app.replica.core import render_chat
 from app.replica.deployment import LocalBackend, ReplicaCore
-from app.router.auth import Authenticator
-from app.router.ingress import REPLICA_HEADER, build_api
+from app.router.http.auth import Authenticator
+from app.router.http.ingress import REPLICA_HEADER, build_api
 from app.router.service import CatalogProxy, IngressService
 from tests.fixtures.services import redis_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter

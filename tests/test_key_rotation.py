@@ -18,8 +18,8 @@ import pytest
 from app.catalog.store import Catalog
 from app.config.app_config import AppConfig
 from app.replica.deployment import LocalBackend, ReplicaCore
-from app.router.auth import KEY_CACHE_TTL_S, Authenticator
-from app.router.ingress import build_api
+from app.router.http.auth import KEY_CACHE_TTL_S, Authenticator
+from app.router.http.ingress import build_api
 from app.router.service import CatalogProxy, IngressService
 from tests.fixtures.services import redis_server  # noqa: F401
 
@@ -58,7 +58,7 @@ def replica(redis_server, llama_dir):  # noqa: F811
     core = ReplicaCore(cfg, "local-0", kernel=kernel, catalog=catalog)
     # The first error reply imports ray (http_errors unwraps RayTaskError), ~1 s once per process: a Serve
     # ingress has it imported already, and it is not what the rotation timings measure.
-    from app.router.http_errors import error_reply
+    from app.router.http.errors import error_reply
 
     error_reply(RuntimeError("warm"))
     yield redis_server, ns, cfg, LocalBackend(core), catalog

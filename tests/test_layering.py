@@ -92,8 +92,8 @@ def test_static_import_graph_follows_the_layers():
 
 def test_the_checker_sees_lazy_imports(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from app.router.http_errors import error_reply\n    import ray.serve\n")
-    assert {"app.router.http_errors", "app.router.http_errors.error_reply", "ray.serve"} <= _imports(f)
+    f.write_text("def f():\n    from app.router.http.errors import error_reply\n    import ray.serve\n")
+    assert {"app.router.http.errors", "app.router.http.errors.error_reply", "ray.serve"} <= _imports(f)
 
 
 @pytest.mark.parametrize(

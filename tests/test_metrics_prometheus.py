@@ -20,7 +20,7 @@ import yaml
 from app import metrics
 from app import metrics_core as mc
 from app.catalog.redis_server import free_port
-from app.router.metrics import decision
+from app.router.http.metrics import decision
 from tests.fixtures.served_stack import ADMIN, REPLICA, ServedStack
 from tests.fixtures.services import redis_server  # noqa: F401
 from tests.fixtures.system_tools import ensure_tool
@@ -224,7 +224,7 @@ def test_metrics_need_the_admin_token(stack):
 
 def test_metrics_can_be_switched_off():
     from app.config.metrics_config import MetricsConfig
-    from app.router.metrics import RequestObserver, exposition
+    from app.router.http.metrics import RequestObserver, exposition
 
     def scrape() -> str:
         return exposition([{"labels": {}, "families": metrics.snapshot()["families"]}])

@@ -19,8 +19,8 @@ from app.errors import (
 from app.names import ModelSpec, Term, parse_model, resolved
 from app.protocol import ChoiceDelta, Failure, RequestFailed
 from app.replica.core import render_chat
-from app.router import openai_schema as oa
-from app.router.http_errors import HTTPFailure, error_reply, replica_failed
+from app.router.http import openai_schema as oa
+from app.router.http.errors import HTTPFailure, error_reply, replica_failed
 
 BASE = frozenset({"tiny", "/models/tiny"})
 
@@ -247,7 +247,7 @@ def test_chat_validation_names_the_field(body, param):
 def test_auth_keys_survive_a_catalog_outage():
     from app.catalog.redis_server import start_redis
     from app.catalog.store import Catalog
-    from app.router.auth import Authenticator
+    from app.router.http.auth import Authenticator
 
     url, stop = start_redis()
     try:

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from app.router.placement import PlacementPolicy, ReplicaView, rank_replicas, view_from_stats
-from app.router.request_router import adapters_of
+from app.router.routing.placement import PlacementPolicy, ReplicaView, rank_replicas, view_from_stats
+from app.router.routing.request_router import adapters_of
 
 
 def R(rid, *, resident=(), free=0, ongoing=0, cap=10, kv=0.0, loading=(), queue=0, running=0):

@@ -1,12 +1,12 @@
 """The placement simulator (load_tests/placement_sim*.py) on a small cluster: its accounting holds, our policy
-really goes through app.router.placement, and its candidate pruning changes no decision."""
+really goes through app.router.routing.placement, and its candidate pruning changes no decision."""
 
 import json
 from dataclasses import replace
 
 import pytest
 
-from app.router import placement
+from app.router.routing import placement
 from load_tests import placement_sim
 from load_tests.placement_sim import POLICIES, check_invariants, run_one
 from load_tests.placement_sim_core import HIT, JOINED, MISS, SimConfig, Simulation, Workload

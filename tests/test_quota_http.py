@@ -22,9 +22,9 @@ from app.config.app_config import AppConfig
 from app.protocol import ReplicaRequest
 from app.replica.deployment import LocalBackend, ReplicaCore
 from app.replica.lora.peft_format import adapter_summary
-from app.router.auth import Authenticator
-from app.router.ingress import build_api
-from app.router.quotas import QuotaLimiter
+from app.router.http.auth import Authenticator
+from app.router.http.ingress import build_api
+from app.router.http.quotas import QuotaLimiter
 from app.router.service import CatalogProxy, IngressService
 from tests.fixtures.services import redis_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter

@@ -1,5 +1,5 @@
 """Quota records and the shared token buckets (app/catalog/quotas.py) against a real redis-server, the ingress
-limiter's bookkeeping (app/router/quotas.py) and `loraland tenants set-quota/get-quota/quotas`.
+limiter's bookkeeping (app/router/http/quotas.py) and `loraland tenants set-quota/get-quota/quotas`.
 
 The HTTP side, with two ingress apps sharing one Redis, is tests/test_quota_http.py."""
 
@@ -16,8 +16,8 @@ from app.catalog.store import Catalog
 from app.cli import main as cli_main
 from app.errors import InvalidRequest, UnknownAdapter
 from app.protocol import ReplicaRequest
-from app.router.quota_fallback import LocalBuckets
-from app.router.quotas import reserve_tokens, scopes_of
+from app.router.http.quota_fallback import LocalBuckets
+from app.router.http.quotas import reserve_tokens, scopes_of
 from tests.fixtures.services import redis_server  # noqa: F401
 
 T = "tenant:acme"

@@ -11,9 +11,9 @@ from ray.exceptions import ActorDiedError
 
 from app import metrics
 from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, RequestFailed
-from app.router import replica_client
-from app.router.http_errors import replica_failed
-from app.router.replica_client import MAX_ATTEMPTS, ReplicaStream
+from app.router.http.errors import replica_failed
+from app.router.routing import replica_client
+from app.router.routing.replica_client import MAX_ATTEMPTS, ReplicaStream
 
 
 class DyingReplicas:

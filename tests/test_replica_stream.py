@@ -105,7 +105,7 @@ class ListBackend:
 
 
 def test_replica_stream_hands_a_batch_out_one_delta_at_a_time():
-    from app.router.replica_client import ReplicaStream
+    from app.router.routing.replica_client import ReplicaStream
 
     items = [
         ReplicaHello("r1"),

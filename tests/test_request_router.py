@@ -11,9 +11,9 @@ from types import SimpleNamespace
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 from ray.serve._private.request_router.request_router import RequestRouter
 
-from app.router import request_router
-from app.router.assignments import STATS_LAG_S
-from app.router.request_router import AdapterAffinityRouter
+from app.router.routing import request_router
+from app.router.routing.assignments import STATS_LAG_S
+from app.router.routing.request_router import AdapterAffinityRouter
 
 
 @dataclass(frozen=True)

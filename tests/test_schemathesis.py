@@ -3,7 +3,7 @@ every 4xx OpenAI-shaped ({"error": {"message", "type", "param", "code"}}), in-pr
 inproc_stack.py: build_api over a real ReplicaCore and a real Catalog, httpx/ASGI).
 
 What /openapi.json describes: the paths, methods and path parameters; NOT the request bodies. The generate and
-admin routes read the raw body themselves (app/router/ingress.py: oa.parse_body + pydantic inside the route, so
+admin routes read the raw body themselves (app/router/http/ingress.py: oa.parse_body + pydantic inside the route, so
 a bad body is an OpenAI-shaped 400 rather than FastAPI's 422), so schemathesis can only vary paths, path
 parameters and methods there; the bodies are covered by HOSTILE below. Each case is sent four ways: without
 credentials, with a bad key, with a tenant key and with the admin token.

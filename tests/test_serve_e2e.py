@@ -27,7 +27,7 @@ from app.config.app_config import AppConfig
 from app.replica.core import render_chat
 from app.replica.faults import FAULT_PROMPT_ENV
 from app.replica.lora.peft_format import adapter_summary
-from app.router.assignments import STATS_LAG_S
+from app.router.routing.assignments import STATS_LAG_S
 from tests.fixtures.models import CORPUS
 from tests.fixtures.services import aws_env, make_bucket, s3_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter

@@ -2,7 +2,7 @@
 adapter, by name, by version, in a chain, in a merge, streaming or not, on either generate route, answers
 exactly as a name that does not exist (same status, code, param, and message up to the name the caller sent);
 listings and admin routes say nothing either; and no answer ever names an adapter the caller did not send. Also:
-repeated bad API keys are throttled (app/router/auth.py BadKeyThrottle).
+repeated bad API keys are throttled (app/router/http/auth.py BadKeyThrottle).
 
 In-process stack (tests/fixtures/inproc_stack.py): tenants alpha and beta, `pub` public, `a-private` alpha's,
 `b-private` and `b-secret-xyz` beta's."""
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.router.auth import BAD_KEY_BURST
+from app.router.http.auth import BAD_KEY_BURST
 from tests.fixtures.inproc_stack import module_stack, openai_error
 from tests.fixtures.services import redis_server  # noqa: F401
 
@@ -139,7 +139,7 @@ def test_repeated_bad_api_keys_are_throttled(stack):
 
 
 def test_bad_key_throttle_refills_at_its_rate(monkeypatch):
-    from app.router import auth
+    from app.router.http import auth
 
     now = [1000.0]
     monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])

@@ -6,7 +6,7 @@ the request touches, on the Redis clock, so any number of ingress replicas share
 pass and are charged, or none is. Per-minute buckets refill continuously (limit/60 per second) up to one
 minute's worth. Concurrency is a set of leases with an expiry (renewed by the ingress holding them), so a
 crashed ingress's slots free themselves. The ingress side, incl. what happens while Redis is down, is
-app/router/quotas.py.
+app/router/http/quotas.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A key is shown once, when it is made (create_tenant, rotate_key); the catalog keeps sha256(key) -> tenant, so a
 dump of Redis holds nothing a caller could present. Creating, rotating and deleting are Lua scripts: the old key
 stops working in the same step the new one starts, and the same step publishes `key_rotated` / `tenant_deleted`
-({"type", "tenant"}) so every ingress drops the tenant's cached keys at once (app/router/auth.py)."""
+({"type", "tenant"}) so every ingress drops the tenant's cached keys at once (app/router/http/auth.py)."""
 
 from __future__ import annotations
 

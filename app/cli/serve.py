@@ -17,7 +17,7 @@ from typing import Any
 
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
-from app.router.http_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from app.router.http.errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 log = logging.getLogger("loraland.serve")
 
@@ -240,7 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.host,
             args.port,
         )
-        # One scrape target for the whole cluster (every process's metrics, merged: app/router/metrics.py).
+        # One scrape target for the whole cluster (every process's metrics, merged: app/router/http/metrics.py).
         where = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         where = f"[{where}]" if ":" in where else where
         auth = "" if cfg.no_auth else " (Authorization: Bearer $LORALAND_ADMIN_TOKEN)"

@@ -1,5 +1,5 @@
 """What the HTTP routes do, without HTTP: resolve the caller's `model` to adapter versions, build the
-`ReplicaRequest` and run it on a replica (a ReplicaStream over a Backend: app/router/replica_client.py), list
+`ReplicaRequest` and run it on a replica (a ReplicaStream over a Backend: app/router/routing/replica_client.py), list
 models and placement, register adapters. The FastAPI layer (ingress.py) only adapts to it.
 """
 
@@ -15,9 +15,9 @@ from app.config.app_config import AppConfig
 from app.errors import CatalogUnavailable, InvalidRequest, UnknownAdapter
 from app.names import ModelSpec, parse_model, resolved
 from app.protocol import ChoiceDelta, Failure, ReplicaRequest, RequestFailed
-from app.router import openai_schema as oa
-from app.router.auth import Caller
-from app.router.replica_client import Backend, ReplicaStream
+from app.router.http import openai_schema as oa
+from app.router.http.auth import Caller
+from app.router.routing.replica_client import Backend, ReplicaStream
 
 RECORD_TTL_S = 2.0  # how stale a resolved adapter record may be (a DELETE elsewhere takes this long to bite)
 

@@ -181,7 +181,7 @@ def replica_failed(exc: BaseException) -> bool:
 # IngressLossMiddleware wraps the proxy (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=PROXY_CALLBACK in the
 # environment of every Ray node) so those requests end cleanly instead.
 
-PROXY_CALLBACK = "app.router.http_errors:proxy_middlewares"
+PROXY_CALLBACK = "app.router.http.errors:proxy_middlewares"
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 # Generation has no side effects: these may run again when the ingress died before answering.
 _RETRY_POSTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")

@@ -11,7 +11,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from app.router.http_errors import HTTPFailure, error_reply
+from app.router.http.errors import HTTPFailure, error_reply
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.router.http_errors import HTTPFailure
+from app.router.http.errors import HTTPFailure
 
 log = logging.getLogger("loraland.auth")
 

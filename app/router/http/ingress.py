@@ -2,10 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: true = server-sent events), GET /v1/models;
 admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/placement, GET/PUT
-/v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/quotas.py); GET /metrics (the cluster's
-Prometheus metrics: app/router/metrics.py) and GET /status (the status page: app/router/status_page.py);
-GET /healthz; vLLM's POST /tokenize and /detokenize (app/router/tokenize_routes.py).
-Every error is OpenAI-shaped, with its status chosen in app/router/http_errors.py.
+/v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/http/quotas.py); GET /metrics (the cluster's
+Prometheus metrics: app/router/http/metrics.py) and GET /status (the status page: app/router/http/status_page.py);
+GET /healthz; vLLM's POST /tokenize and /detokenize (app/router/http/tokenize_routes.py).
+Every error is OpenAI-shaped, with its status chosen in app/router/http/errors.py.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from starlette.exceptions import HTTPException as FrameworkHTTPException
 from app.catalog.telemetry import start_process_metrics
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
-from app.router import openai_schema as oa
-from app.router.auth import Authenticator
-from app.router.body_limit import BodyLimit
-from app.router.http_errors import HTTPFailure, error_reply
-from app.router.metrics import RequestObserver, add_metrics_route
-from app.router.quotas import QuotaLimiter, add_quota_routes
-from app.router.replica_client import ReplicaStream, ServeBackend
+from app.router.http import openai_schema as oa
+from app.router.http.auth import Authenticator
+from app.router.http.body_limit import BodyLimit
+from app.router.http.errors import HTTPFailure, error_reply
+from app.router.http.metrics import RequestObserver, add_metrics_route
+from app.router.http.quotas import QuotaLimiter, add_quota_routes
+from app.router.http.status_page import add_status_routes
+from app.router.http.tokenize_routes import add_tokenize_routes
+from app.router.routing.replica_client import ReplicaStream, ServeBackend
 from app.router.service import CatalogProxy, IngressService
-from app.router.status_page import add_status_routes
-from app.router.tokenize_routes import add_tokenize_routes
 
 log = logging.getLogger("loraland.ingress")
 

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from app.errors import LoraLandError
 from app.protocol import Failure, RequestFailed, TokenizeCall, TokenizeReply
-from app.router import openai_schema as oa
-from app.router.http_errors import error_reply
+from app.router.http import openai_schema as oa
+from app.router.http.errors import error_reply
 
 
 class TokenizeBody(BaseModel):

@@ -12,7 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from app.errors import InvalidRequest
-from app.protocol import MAX_LOGPROBS, ChoiceDelta, TokenLogprob
+from app.protocol import ChoiceDelta, TokenLogprob
+from app.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
 MAX_STOP = 16

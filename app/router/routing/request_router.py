@@ -27,9 +27,9 @@ import time
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app.names import parse_model
-from app.router.assignments import AssignmentMemory
-from app.router.metrics import record_decision
-from app.router.placement import PlacementPolicy, ReplicaView, rank_replicas, view_from_stats
+from app.router.http.metrics import record_decision
+from app.router.routing.assignments import AssignmentMemory
+from app.router.routing.placement import PlacementPolicy, ReplicaView, rank_replicas, view_from_stats
 
 logger = logging.getLogger("ray.serve")
 

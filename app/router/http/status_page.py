@@ -1,8 +1,8 @@
-"""GET /status: a self-refreshing page for operators (plain HTML + JS in app/router/static/, no build step), and
+"""GET /status: a self-refreshing page for operators (plain HTML + JS in app/router/http/static/, no build step), and
 GET /status/data, the JSON it polls: adapters (tier, replicas holding them, requests, tokens, last use), replicas
 (load, free slots, queue, KV use), tenants (usage, quotas), recent errors and adapter loads.
 
-Counts come from the cluster's metric snapshots (app/router/metrics.py: cluster_snapshots), placement and
+Counts come from the cluster's metric snapshots (app/router/http/metrics.py: cluster_snapshots), placement and
 replica state from the catalog's heartbeats. The page itself holds no data, so it is served to anyone; the data
 needs the admin token when auth is on (the page asks for it once and keeps it in the tab's sessionStorage).
 """
@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from app import metrics
-from app.router.http_errors import error_reply
-from app.router.metrics import cluster_snapshots
+from app.router.http.errors import error_reply
+from app.router.http.metrics import cluster_snapshots
 
 STATIC = Path(__file__).with_name("static")
 MAX_ADAPTERS = 500  # rows on the page: the busiest first

@@ -1,5 +1,5 @@
 """The quotas' fallback while Redis is unreachable: token buckets in one ingress process, each limit divided by
-the number of ingress replicas, so the cluster as a whole keeps to about the quota (app/router/quotas.py says
+the number of ingress replicas, so the cluster as a whole keeps to about the quota (app/router/http/quotas.py says
 when it is used). Pure Python; the caller holds the lock."""
 
 from __future__ import annotations

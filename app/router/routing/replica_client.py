@@ -3,7 +3,7 @@
 A Backend streams a request's reply items from a replica: Ray Serve's handle in production (`ServeBackend`:
 the adapter ref is the multiplexed model id, so the affinity router sees it), or a ReplicaCore in the same
 process for tests of the HTTP layer (app/replica/deployment.py's LocalBackend). `ReplicaStream` turns the
-items into ChoiceDeltas (a DeltaBatch into its deltas, one at a time), raises a replica's in-band Failure as `RequestFailed` (app/router/http_errors.py maps
+items into ChoiceDeltas (a DeltaBatch into its deltas, one at a time), raises a replica's in-band Failure as `RequestFailed` (app/router/http/errors.py maps
 it through the same table as any exception), and sends the request again, up to MAX_ATTEMPTS times in all, when
 its replica died before it produced output (counted in loraland_replica_retries).
 """
@@ -29,7 +29,7 @@ from app.protocol import (
     ReplyItem,
     RequestFailed,
 )
-from app.router.http_errors import replica_failed
+from app.router.http.errors import replica_failed
 
 log = logging.getLogger("loraland.ingress")
 
@@ -65,7 +65,7 @@ class ServeBackend:
 class ReplicaStream:
     """One request's reply from a replica: `open()` for the first delta, `next()` until None, `cancel()` to
     stop early; or `collect()` for all of it. `choices` accumulates every delta read so far, per choice index
-    (their finish reasons are the kernel's: app/router/openai_schema.finish_reason shapes them for OpenAI)."""
+    (their finish reasons are the kernel's: app/router/http/openai_schema.finish_reason shapes them for OpenAI)."""
 
     def __init__(self, backend: Backend, request: ReplicaRequest, model_id: str, timeout_s: float):
         self.backend, self.request, self.model_id, self.timeout_s = backend, request, model_id, timeout_s

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from app import metrics
 from app import metrics_core as mc
-from app.router.http_errors import error_reply
+from app.router.http.errors import error_reply
 
 log = logging.getLogger("loraland.ingress")
 
