@@ -76,14 +76,6 @@ class Failure:
         return exc
 
 
-class RequestFailed(errors.LoraLandError):
-    """Raised by the ingress's replica client for a Failure that arrived in-band (keeps the Failure)."""
-
-    def __init__(self, failure: Failure):
-        super().__init__(failure.message)
-        self.failure = failure
-
-
 @dataclass(frozen=True)
 class ReplicaRequest:
     """One OpenAI request, parsed, resolved and validated once by the ingress: `spec` is the `model` field with

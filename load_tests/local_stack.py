@@ -327,7 +327,7 @@ class LocalStack:
     # ------------------------------------------------------------------ the reference
     def reference(self, model: str, prompt: str | None, messages: list | None, max_tokens: int) -> str:
         """The single-request greedy output of the in-process kernel (cached)."""
-        from app.replica.core import render_chat
+        from app.replica.chat import render_chat
 
         if self.oracle is None:
             raise RuntimeError("this stack has no reference kernel: StackConfig(oracle=True)")

@@ -21,7 +21,9 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from dataclasses import replace
 
+from app.protocol import ReplicaStats
 from app.router.routing import placement  # the module, so a test can spy on placement.rank_replicas
 from app.router.routing.assignments import AssignmentMemory
 from load_tests.placement_sim_core import (
@@ -65,16 +67,8 @@ class OursPolicy(_Base):
         # Zero-padded ids: string order is index order, so _LoadIndex's tie-break is rank_replicas' own.
         self.rid = [f"r{r:0{width}d}" for r in range(R)]
         self.index = {rid: r for r, rid in enumerate(self.rid)}
-        self.snap = [
-            {
-                "resident": frozenset(),
-                "loading": frozenset(),
-                "free_slots": cfg.device_slots,
-                "running": 0,
-                "at": 0.0,
-            }
-            for _ in range(R)
-        ]
+        # Each replica's last routing stats, as the router holds them (replaced whole at each report).
+        self.snap = [ReplicaStats(self.rid[r], free_slots=cfg.device_slots) for r in range(R)]
         self.views: list[placement.ReplicaView | None] = [None] * R
         self.holders: dict[str, set[int]] = {}  # adapter -> replicas whose last stats list it
         self._changed: dict[int, set[str]] = {}  # adapters to re-check at a replica's next stats
@@ -96,7 +90,7 @@ class OursPolicy(_Base):
 
     # ------------------------------------------------------------------ what the router knows
     def _key(self, r: int) -> int:
-        return max(self.sim.ongoing[r], self.snap[r]["running"])
+        return max(self.sim.ongoing[r], self.snap[r].running)
 
     def _set_key(self, r: int, key: int) -> None:
         self.key_sum += key - self._all.key.get(r, 0)
@@ -109,15 +103,14 @@ class OursPolicy(_Base):
     def _report(self, r: int, now: float) -> None:
         """Replica r's record_routing_stats(), taken at `now`, reaches the router."""
         sim, s = self.sim, self.snap[r]
-        s["at"] = now
         changed = self._changed.pop(r, None)
         if changed is not None:
             res = frozenset(sim.host[r])
             if sim.pinned[r]:
                 res |= sim.pinned[r]
             loading = frozenset(sim.loading[r])
-            s["resident"], s["loading"] = res, loading
-            s["free_slots"] = sim.cfg.device_slots - len(sim.device[r])
+            free = sim.cfg.device_slots - len(sim.device[r])
+            s = replace(s, resident=tuple(res), loading=tuple(loading), free_slots=free)
             for a in changed:
                 held, hs = a in res or a in loading, self.holders.get(a)
                 if held:
@@ -129,11 +122,11 @@ class OursPolicy(_Base):
                     hs.discard(r)
                     if not hs:
                         del self.holders[a]
-        s["running"] = sim.ongoing[r]
+        s = self.snap[r] = replace(s, running=sim.ongoing[r], at=now)
         self.views[r] = None
         key = self._key(r)
         self._set_key(r, key)
-        self._free.put(r, key if s["free_slots"] > 0 else None)
+        self._free.put(r, key if s.free_slots > 0 else None)
 
     def on_cache(self, r: int, adapters: tuple[str, ...]) -> None:
         self._changed.setdefault(r, set()).update(adapters)

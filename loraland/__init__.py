@@ -3,7 +3,8 @@
 from app.catalog.sources import AdapterHub
 from app.config.kernel_config import KernelConfig
 from app.replica.engine import Delta
-from app.replica.kernel import Completion, LLMKernel
+from app.replica.kernel import LLMKernel
+from app.replica.results import Completion, KernelStats
 from app.sampling_params import SamplingParams
 
-__all__ = ["LLMKernel", "KernelConfig", "AdapterHub", "Completion", "Delta", "SamplingParams"]
+__all__ = ["LLMKernel", "KernelConfig", "AdapterHub", "Completion", "Delta", "KernelStats", "SamplingParams"]

@@ -3,6 +3,7 @@ warm for placement.py, shared by AdapterAffinityRouter and the placement simulat
 
 import pytest
 
+from app.protocol import ReplicaStats
 from app.router.routing.assignments import AssignmentMemory
 
 
@@ -53,14 +54,12 @@ def test_stats_newer_than_an_assignment_override_it():
     from app.router.routing.assignments import STATS_LAG_S, dropped_since
 
     t = 1000.0
-    assert not dropped_since(
-        {"at": t + 0.5, "resident": []}, "a@1", t
-    )  # too soon: the load may not have begun
-    assert not dropped_since({"resident": []}, "a@1", t)  # stats without a time: trust the memory
+    assert not dropped_since(ReplicaStats("r1", at=t + 0.5), "a@1", t)  # too soon: the load may not have begun
+    assert not dropped_since(ReplicaStats("r1"), "a@1", t)  # no report yet: trust the memory
     late = t + STATS_LAG_S + 0.1
-    assert dropped_since({"at": late, "resident": ["b@1"], "loading": []}, "a@1", t)
-    assert not dropped_since({"at": late, "resident": ["a@1"]}, "a@1", t)
-    assert not dropped_since({"at": late, "resident": [], "loading": ["a@1"]}, "a@1", t)
+    assert dropped_since(ReplicaStats("r1", at=late, resident=("b@1",)), "a@1", t)
+    assert not dropped_since(ReplicaStats("r1", at=late, resident=("a@1",)), "a@1", t)
+    assert not dropped_since(ReplicaStats("r1", at=late, loading=("a@1",)), "a@1", t)
 
 
 def test_confirmed_skips_gone_replicas_and_forgets_dropped_ones():
@@ -73,8 +72,8 @@ def test_confirmed_skips_gone_replicas_and_forgets_dropped_ones():
         m.record("a@1", rid, t)
     late = 101.0 + STATS_LAG_S + 0.1
     stats = {
-        "r1": {"at": late, "resident": ["b@1"], "loading": []},  # evicted since
-        "r3": {"at": late, "resident": ["a@1"]},
+        "r1": ReplicaStats("r1", at=late, resident=("b@1",)),  # evicted since
+        "r3": ReplicaStats("r3", at=late, resident=("a@1",)),
     }  # r2: not among the live replicas
     assert m.confirmed("a@1", 105.0, stats.get) == ["r3"]
     assert m.where("a@1", 105.0) == ["r2", "r3"]  # r1 forgotten; r2 kept until its replica is declared dead

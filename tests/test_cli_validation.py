@@ -214,7 +214,7 @@ def test_adapter_only_the_replica_can_refuse_is_marked_unloadable(stack, tmp_pat
     # Another replica (empty memory) learns it from the catalog record and does not try either.
     other = ReplicaCore(stack.cfg, "local-1", kernel=stack.kernel, catalog=stack.catalog)
     with pytest.raises(InvalidAdapter, match="marked unloadable"):
-        asyncio.run(other.ensure(stack.catalog.get("wide").to_dict()))
+        asyncio.run(other.fetcher.ensure(stack.catalog.get("wide")))
     assert stack.loads == ["wide"]
 
     # A new version that fits clears it.

@@ -23,9 +23,10 @@ from app.config.kernel_config import KernelConfig
 from app.errors import InvalidRequest
 from app.replica.fairness import W_OUTPUT, W_PROMPT, VirtualTokenCounter, make_policy
 from app.replica.kv_cache import BlockAllocator
-from app.replica.sampling import SamplingParams
+from app.sampling_params import SamplingParams
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
+from tests.fixtures.fake_kernel import FakeKernel
 from tests.fixtures.services import redis_server  # noqa: F401
 
 
@@ -482,13 +483,13 @@ def test_kernel_charges_the_tenant_it_is_given(llama_dir):
         assert k.complete([[5, 6, 7]], max_tokens=2, tenant="gold")[0].token_ids
 
 
-class TenantKernel:
+class TenantKernel(FakeKernel):
     """Records the tenant each generate() is for; the catalog's tenant weights land in `weights`."""
 
     def __init__(self):
         self.tenants, self.weights = [], None
 
-    async def generate(self, prompt, adapter, *, tenant=None, **sampling):
+    async def generate(self, prompt, adapter, *, tenant=None, **kw):
         from app.replica.engine import Delta
 
         self.tenants.append(tenant)
@@ -496,9 +497,6 @@ class TenantKernel:
 
     def set_tenant_weights(self, weights):
         self.weights = dict(weights)
-
-    def close(self):
-        pass
 
 
 class TenantCatalog:
@@ -538,11 +536,11 @@ def test_tenant_travels_from_the_caller_to_the_kernel(monkeypatch):
     asyncio.run(run(built))
     assert kernel.tenants == ["alpha", "alpha"]
 
-    core.catalog = TenantCatalog([{"name": "alpha", "weight": 3}, {"name": "beta"}])
-    core.sync_tenant_weights()
+    core.sync.catalog = TenantCatalog([{"name": "alpha", "weight": 3}, {"name": "beta"}])
+    core.sync.sync_tenant_weights()
     assert kernel.weights == {"alpha": 3.0}  # a record without a weight weighs 1
-    core.catalog = TenantCatalog([{"name": "alpha", "weight": "lots"}])
-    core.sync_tenant_weights()  # a bad record is logged, and the weights stay
+    core.sync.catalog = TenantCatalog([{"name": "alpha", "weight": "lots"}])
+    core.sync.sync_tenant_weights()  # a bad record is logged, and the weights stay
     assert kernel.weights == {"alpha": 3.0}
 
 
@@ -561,13 +559,13 @@ def test_weights_set_in_the_catalog_reach_the_replica(redis_server, monkeypatch)
             cat.create_tenant(t)
         kernel = TenantKernel()
         core = ReplicaCore(AppConfig(model="m", redis_url=None), "r1", kernel=kernel, catalog=None)
-        core.catalog = cat
+        core.sync.catalog = cat
         cat.set_tenant_weight("alpha", 4)
-        core.sync_tenant_weights()
+        core.sync.sync_tenant_weights()
         assert kernel.weights == {"alpha": 4.0}
         cat.set_tenant_weight("alpha", None)
         cat.set_tenant_weight("beta", 0.5)
-        core.sync_tenant_weights()
+        core.sync.sync_tenant_weights()
         assert kernel.weights == {"beta": 0.5}
         for bad in (0, 1000, float("nan"), True, "2"):
             with pytest.raises(InvalidRequest, match="weight"):

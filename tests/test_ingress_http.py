@@ -15,7 +15,7 @@ import pytest
 
 from app.catalog.store import Catalog
 from app.config.app_config import AppConfig
-from app.replica.core import render_chat
+from app.replica.chat import render_chat
 from app.replica.deployment import LocalBackend, ReplicaCore
 from app.router.http.auth import Authenticator
 from app.router.http.ingress import REPLICA_HEADER, build_api
@@ -334,7 +334,7 @@ def test_unreachable_source_is_503_and_delete_unloads(stack, tmp_path):
             json={"model": "mix2", "prompt": "x", "max_tokens": 2},
             headers=bearer(stack.key_a),
         )
-        stack.core.heartbeat_once()
+        stack.core.sync.heartbeat_once()
         placement = (await client.get("/v1/placement", headers=bearer(ADMIN))).json()
         deleted = await client.delete("/v1/adapters/mix2", headers=bearer(ADMIN))
         for _ in range(50):  # the replica hears the removal over pub/sub

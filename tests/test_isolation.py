@@ -16,7 +16,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from app.config.model_config import ModelConfig
-from app.errors import InvalidAdapter, InvalidRequest, LoraLandError
+from app.errors import InternalError, InvalidAdapter, InvalidRequest, LoraLandError
 from app.replica.engine import Engine, EngineConfig
 from app.replica.model import Model
 from app.sampling_params import SamplingParams
@@ -145,7 +145,7 @@ POISONS = {
         dict(max_tokens=8),
         None,
         FAULT_PROMPT,
-        (LoraLandError, "internal error while sampling this request (RuntimeError); see the server log"),
+        (InternalError, "internal error while sampling this request (RuntimeError); see the server log"),
     ),
 }
 

@@ -20,7 +20,8 @@ import yaml
 from app import metrics
 from app import metrics_core as mc
 from app.catalog.redis_server import free_port
-from app.router.http.metrics import decision
+from app.protocol import ReplicaStats
+from app.router.routing.decisions import decision
 from tests.fixtures.served_stack import ADMIN, REPLICA, ServedStack
 from tests.fixtures.services import redis_server  # noqa: F401
 from tests.fixtures.system_tools import ensure_tool
@@ -59,10 +60,11 @@ def test_a_hot_adapter_gets_its_own_label_and_the_one_it_replaces_loses_its_seri
 
 
 def test_router_decisions_are_classified_from_what_the_router_knew():
-    stats = {"resident": ["a@1"], "loading": ["b@1"], "free_slots": 1}
+    stats = ReplicaStats("r1", resident=("a@1",), loading=("b@1",), free_slots=1)
     assert decision([], stats, {}, "r1") == "base"
     assert decision(["a@1", "b@1"], stats, {}, "r1") == "held"
-    assert decision(["c@1"], {"resident": [], "free_slots": 0}, {"c@1": ["r1"]}, "r1") == "held"
+    assert decision(["c@1"], ReplicaStats("r1"), {"c@1": ["r1"]}, "r1") == "held"
+    assert decision(["c@1"], None, {}, "r1") == "any"
     assert decision(["a@1", "c@1"], stats, {}, "r1") == "free_slot"
     assert decision(["c@1", "d@1"], stats, {}, "r1") == "any"
 

@@ -17,8 +17,8 @@ from app.errors import (
     UnknownAdapter,
 )
 from app.names import ModelSpec, Term, parse_model, resolved
-from app.protocol import ChoiceDelta, Failure, RequestFailed
-from app.replica.core import render_chat
+from app.protocol import ChoiceDelta, Failure
+from app.replica.chat import render_chat
 from app.router.http import openai_schema as oa
 from app.router.http.errors import HTTPFailure, error_reply, replica_failed
 
@@ -130,7 +130,7 @@ def test_ray_errors_are_retryable_and_unwrapped():
 def test_in_band_failure_round_trips():
     failure = Failure.of(QueueFull("the replica's queue is full", retry_after_s=2))
     failure = pickle.loads(pickle.dumps(failure))  # crosses Ray as plain data
-    again = error_reply(RequestFailed(failure))
+    again = error_reply(failure.to_exception())
     assert again.status == 429 and again.headers["Retry-After"] == "2"
     assert again.body["error"]["message"] == "the replica's queue is full"
 
@@ -150,7 +150,7 @@ def test_in_band_failure_round_trips():
 )
 def test_an_in_band_failure_maps_like_the_exception_it_names(exc):
     """The replica sends Failure.of(exc); the ingress must answer exactly as if exc were raised in it."""
-    direct, in_band = error_reply(exc), error_reply(RequestFailed(Failure.of(exc)))
+    direct, in_band = error_reply(exc), error_reply(Failure.of(exc).to_exception())
     assert (in_band.status, in_band.body, in_band.headers) == (direct.status, direct.body, direct.headers)
 
 
@@ -160,7 +160,7 @@ def test_a_private_error_subclass_travels_as_its_public_base():
 
     failure = Failure.of(_Missing("hf://org/repo is gone"))
     assert (failure.kind, failure.retryable) == ("AdapterUnavailable", True)
-    assert error_reply(RequestFailed(failure)).status == 503
+    assert error_reply(failure.to_exception()).status == 503
 
 
 def test_choice_deltas_merge_into_the_whole_choice():

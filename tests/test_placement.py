@@ -1,12 +1,15 @@
-"""The placement ranking (a pure function) and the router's reading of multiplexed model ids."""
+"""The placement ranking (a pure function) and the router's reading of a request's adapters."""
 
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from app.router.routing.placement import PlacementPolicy, ReplicaView, rank_replicas, view_from_stats
-from app.router.routing.request_router import adapters_of
+from app.names import parse_model
+from app.protocol import ReplicaRequest, ReplicaStats
+from app.router.routing.request_router import adapters_needed
 
 
 def R(rid, *, resident=(), free=0, ongoing=0, cap=10, kv=0.0, loading=(), queue=0, running=0):
@@ -250,19 +253,13 @@ def test_ranking_is_deterministic_under_input_order():
 def test_view_from_stats_tolerates_missing_stats():
     v = view_from_stats("r1", None, ongoing=2, max_ongoing=4)
     assert (v.resident, v.free_slots, v.load) == (frozenset(), 0, 0.5)
-    v = view_from_stats(
-        "r2",
-        {
-            "resident": ["a@1"],
-            "free_slots": 3,
-            "queue_len": 1,
-            "running": 2,
-            "kv_usage": 0.5,
-            "loading": ["b@1"],
-        },
-        max_ongoing=6,
+    stats = ReplicaStats(
+        "r2", resident=("a@1",), free_slots=3, queue_len=1, running=2, kv_usage=0.5, loading=("b@1",)
     )
+    v = view_from_stats("r2", stats, max_ongoing=6)
     assert v.resident == {"a@1"} and v.loading == {"b@1"} and v.free_slots == 3 and v.load == 0.5
+    old = view_from_stats("r2", stats, max_ongoing=6, with_load=False)  # stale: what it holds, not its load
+    assert old.resident == {"a@1"} and old.load == 0 and old.kv_usage == 0
 
 
 @pytest.mark.parametrize(
@@ -291,5 +288,8 @@ def test_policy_rejects_nonsense(kwargs):
         ("x@2*-1+y@1*1e-1", ["x@2", "y@1"]),
     ],
 )
-def test_adapters_of_multiplexed_ids(model_id, adapters):
-    assert adapters_of(model_id) == adapters
+def test_the_router_reads_a_requests_adapters_from_its_parsed_spec(model_id, adapters):
+    pending = SimpleNamespace(args=[ReplicaRequest("r", spec=parse_model(model_id))])
+    assert adapters_needed(pending) == adapters
+    assert adapters_needed(SimpleNamespace(args=["hf://org/x"])) == []  # inspect_adapter: no adapter to place
+    assert adapters_needed(None) == []

@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from app.sampling_params import SamplingParams
 from app.catalog.quotas import Quota
 from app.catalog.redis_server import start_redis
 from app.catalog.store import Catalog
@@ -42,11 +43,11 @@ class GatedBackend:
     def __init__(self, inner: LocalBackend):
         self.inner, self.gate, self.waiting = inner, None, 0
 
-    async def stream(self, request, model_id):
+    async def stream(self, request):
         if self.gate is not None:
             self.waiting += 1
             await self.gate.wait()
-        async for item in self.inner.stream(request, model_id):
+        async for item in self.inner.stream(request):
             yield item
 
     async def call(self, method, *args):
@@ -206,9 +207,9 @@ def test_a_cancelled_or_dropped_stream_gives_its_slot_back(cluster, core):
     slots = cluster.catalog._k("qc", "tenant:canceller")
 
     def request():
-        req = ReplicaRequest(request_id=uuid.uuid4().hex, prompts=("hello",), sampling={"max_tokens": 4},
+        req = ReplicaRequest(request_id=uuid.uuid4().hex, prompts=("hello",), sampling=SamplingParams(max_tokens=4),
                              tenant="canceller")  # fmt: skip
-        return service.stream(req, "tiny-llama")
+        return service.stream(req)
 
     async def until_free():
         for _ in range(200):

@@ -9,8 +9,11 @@ import json
 import time
 import uuid
 
+from types import SimpleNamespace
+
 import pytest
 
+from app.sampling_params import SamplingParams
 from app.catalog.quotas import Quota
 from app.catalog.store import Catalog
 from app.cli import main as cli_main
@@ -140,13 +143,13 @@ def test_concurrency_leases_release_renew_and_expire(catalog):
 
 
 def test_reservation_estimates_and_scopes():
-    text = ReplicaRequest(request_id="r", prompts=("x" * 40,), sampling={"max_tokens": 7}, n=2)
+    text = ReplicaRequest(request_id="r", prompts=("x" * 40,), sampling=SamplingParams(max_tokens=7), n=2)
     assert reserve_tokens(text) == 11 + 2 * 7
-    ids = ReplicaRequest(request_id="r", prompts=((1, 2, 3), (4,)), sampling={})
-    assert reserve_tokens(ids) == 4 + 2 * 16  # the kernel's default max_tokens
-    chat = ReplicaRequest(request_id="r", messages=({"role": "user", "content": "abcd"},), sampling={})
+    ids = ReplicaRequest(request_id="r", prompts=((1, 2, 3), (4,)))
+    assert reserve_tokens(ids) == 4 + 2 * 16  # the default max_tokens
+    chat = ReplicaRequest(request_id="r", messages=({"role": "user", "content": "abcd"},))
     assert reserve_tokens(chat) == (2 + 4) + 16
-    recs = ({"name": "a"}, {"name": "b"}, {"name": "a"})
+    recs = tuple(SimpleNamespace(name=n) for n in ("a", "b", "a"))
     assert scopes_of(ReplicaRequest(request_id="r", records=recs, tenant="t")) == [
         "tenant:t",
         "adapter:a",

@@ -10,7 +10,8 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from app import metrics
-from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest, RequestFailed
+from app.errors import QueueFull
+from app.protocol import ChoiceDelta, Failure, ReplicaHello, ReplicaRequest
 from app.router.http.errors import replica_failed
 from app.router.routing import replica_client
 from app.router.routing.replica_client import MAX_ATTEMPTS, ReplicaStream
@@ -23,7 +24,7 @@ class DyingReplicas:
     def __init__(self, *script: str):
         self.script, self.calls = list(script), 0
 
-    def stream(self, request: ReplicaRequest, model_id: str):
+    def stream(self, request: ReplicaRequest):
         what = self.script[self.calls]
         self.calls += 1
         rid = f"r{self.calls}"
@@ -61,7 +62,7 @@ def no_pause(monkeypatch):
 
 
 def stream_of(backend) -> ReplicaStream:
-    return ReplicaStream(backend, ReplicaRequest("req-1"), "", timeout_s=5)
+    return ReplicaStream(backend, ReplicaRequest("req-1"), timeout_s=5)
 
 
 def test_a_request_whose_replicas_die_first_is_sent_again_until_one_answers():
@@ -101,7 +102,7 @@ def test_collect_restarts_a_reply_cut_by_a_death_and_keeps_only_the_new_replicas
 def test_other_failures_and_deaths_after_streaming_began_are_not_retried():
     before = retries()
     backend = DyingReplicas("fails", "ok")
-    with pytest.raises(RequestFailed):
+    with pytest.raises(QueueFull):
         asyncio.run(stream_of(backend).open())
     assert backend.calls == 1
 

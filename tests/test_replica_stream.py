@@ -10,35 +10,28 @@ import pickle
 import pytest
 
 from app.config.app_config import AppConfig
+from app.errors import AdapterUnavailable
 from app.protocol import ChoiceDelta, DeltaBatch, Failure, ReplicaHello, ReplicaRequest
 from app.replica.core import ReplicaCore
+from app.replica.deployment import reply_items
 from app.replica.engine import Delta
+from app.replica.fan_in import PreparedPrompt, fan_in
+from tests.fixtures.fake_kernel import FakeKernel
 
 
-class BurstKernel:
+class BurstKernel(FakeKernel):
     """generate() yields its deltas without awaiting in between, as an engine step that finished several
-    tokens before the event loop ran would; a failed sequence raises its failure, as LLMKernel.generate does."""
+    tokens before the event loop ran would; a failed sequence raises its error, as LLMKernel.generate does."""
 
     def __init__(self, words: list[str], fail_after: int | None = None):
         self.words, self.fail_after = words, fail_after
 
-    async def generate(self, prompt, adapter, **sampling):
+    async def generate(self, prompt, adapter, **kw):
         for i, w in enumerate(self.words):
             if self.fail_after is not None and i == self.fail_after:
-                failed = Delta(
-                    "",
-                    [],
-                    "abort",
-                    3,
-                    i,
-                    failure=Failure("AdapterUnavailable", "adapter x could not be loaded", retryable=True),
-                )
-                raise failed.failure.to_exception()
+                raise AdapterUnavailable("adapter x could not be loaded")
             last = i == len(self.words) - 1
             yield Delta(w, [i], "length" if last else None, 3, i + 1)
-
-    def close(self) -> None:
-        pass
 
 
 def core(kernel) -> ReplicaCore:
@@ -46,7 +39,9 @@ def core(kernel) -> ReplicaCore:
 
 
 async def collect(c: ReplicaCore, n: int = 1) -> list[ChoiceDelta | DeltaBatch]:
-    return [item async for item in c._fan_in(["p"], None, n, {})]
+    request = ReplicaRequest("r", prompts=("p",), n=n)
+    prompts = [PreparedPrompt([1], "p")]
+    return [item async for item in fan_in(c.kernel, request, prompts, c._logprob_text)]
 
 
 def test_piled_up_deltas_leave_as_one_item_with_one_delta_per_choice(monkeypatch):
@@ -66,8 +61,6 @@ def test_piled_up_deltas_leave_as_one_item_with_one_delta_per_choice(monkeypatch
 
 
 def test_an_abort_in_a_burst_is_still_raised(monkeypatch):
-    from app.errors import AdapterUnavailable
-
     monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
     with pytest.raises(AdapterUnavailable, match="could not be loaded"):
         asyncio.run(collect(core(BurstKernel([" a", " b"], fail_after=1))))
@@ -78,7 +71,7 @@ def test_generate_replies_with_a_hello_then_deltas_or_one_failure(monkeypatch):
 
     async def reply(kernel) -> list:
         request = ReplicaRequest("cmpl-1", prompts=("p",), n=2)
-        return [item async for item in core(kernel).generate(request)]
+        return [item async for item in reply_items(core(kernel), request)]
 
     ok = asyncio.run(reply(BurstKernel([" a", " b"])))
     assert ok[0] == ReplicaHello("r1") and all(isinstance(i, DeltaBatch) for i in ok[1:])
@@ -96,7 +89,7 @@ class ListBackend:
     def __init__(self, items: list):
         self.items = items
 
-    def stream(self, request, model_id):
+    def stream(self, request):
         async def items():
             for it in self.items:
                 yield it
@@ -115,7 +108,7 @@ def test_replica_stream_hands_a_batch_out_one_delta_at_a_time():
     ]
 
     async def read() -> tuple[list, ReplicaStream]:
-        s = ReplicaStream(ListBackend(items), ReplicaRequest("cmpl-1", prompts=("p",), n=2), "", 5.0)
+        s = ReplicaStream(ListBackend(items), ReplicaRequest("cmpl-1", prompts=("p",), n=2), 5.0)
         got = [await s.open()]
         while (d := await s.next()) is not None:
             got.append(d)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 from ray.serve._private.request_router.request_router import RequestRouter
 
+from app.names import ModelSpec, parse_model
+from app.protocol import ReplicaRequest, ReplicaStats
 from app.router.routing import request_router
 from app.router.routing.assignments import STATS_LAG_S
 from app.router.routing.request_router import AdapterAffinityRouter
@@ -24,8 +26,19 @@ class FakeReplicaID:
 @dataclass
 class FakeReplica:
     replica_id: FakeReplicaID
-    routing_stats: dict = field(default_factory=dict)
+    routing_stats: ReplicaStats | dict = field(default_factory=dict)  # Serve's {} before the first report
     max_ongoing_requests: int = 48
+
+
+def stats(rid: str, **fields) -> ReplicaStats:
+    """A replica's routing stats (lists given as lists, as a test writes them)."""
+    return ReplicaStats(rid, **{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+def restat(replica: FakeReplica, **changes) -> None:
+    """New stats for `replica`: its last ones with `changes` (a new object, as each report is)."""
+    changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
+    replica.routing_stats = replace(replica.routing_stats, **changes)
 
 
 def router_over(replicas: list[FakeReplica]) -> AdapterAffinityRouter:
@@ -40,7 +53,9 @@ def router_over(replicas: list[FakeReplica]) -> AdapterAffinityRouter:
 
 
 def pending(model_id: str):
+    request = ReplicaRequest("r", spec=parse_model(model_id) if model_id else ModelSpec())
     return SimpleNamespace(
+        args=[request],
         metadata=SimpleNamespace(multiplexed_model_id=model_id, call_method="generate"),
         routing_context=SimpleNamespace(should_backoff=False),
     )
@@ -51,13 +66,13 @@ def choose(router, model_id: str) -> list[list[str]]:
     return [[x.replica_id.unique_id for x in t] for t in tiers]
 
 
-def replicas(n: int, **stats) -> list[FakeReplica]:
-    return [FakeReplica(FakeReplicaID(f"r{i}"), {"free_slots": 0, **stats}) for i in range(n)]
+def replicas(n: int, **fields) -> list[FakeReplica]:
+    return [FakeReplica(FakeReplicaID(f"r{i}"), stats(f"r{i}", **fields)) for i in range(n)]
 
 
 def test_holder_first_then_memory_until_newer_stats_say_evicted(monkeypatch):
     reps = replicas(3)
-    reps[2].routing_stats = {"resident": ["a@1"], "free_slots": 0, "at": time.time()}
+    reps[2].routing_stats = stats("r2", resident=["a@1"], free_slots=0, at=time.time())
     router = router_over(reps)
     assert choose(router, "a@1")[0] == ["r2"]
     # A cold adapter sent to r0: the memory keeps the next request there before r0's stats show it.
@@ -65,7 +80,7 @@ def test_holder_first_then_memory_until_newer_stats_say_evicted(monkeypatch):
     assert choose(router, "b@1")[0] == ["r0"]
     # r0's stats taken STATS_LAG_S after the send, without b: it was evicted; the memory yields.
     later = time.time() + STATS_LAG_S + 0.5
-    reps[0].routing_stats = {"resident": [], "loading": [], "free_slots": 0, "at": later}
+    reps[0].routing_stats = stats("r0", resident=[], loading=[], free_slots=0, at=later)
     assert choose(router, "b@1")[0] != ["r0"]
     assert router._memory.where("b@1", time.time()) == []
 
@@ -79,7 +94,7 @@ def test_views_are_built_once_per_stats_object(monkeypatch):
     for _ in range(10):
         choose(router, "x3@1")
     assert len(built) == 5  # once per replica, not per request
-    reps[1].routing_stats = {"resident": ["y@1"], "free_slots": 0}  # new stats: rebuilt for that one only
+    reps[1].routing_stats = stats("r1", resident=["y@1"], free_slots=0)  # new stats: rebuilt for that one only
     assert choose(router, "y@1")[0] == ["r1"]
     assert len(built) == 6
     # a new in-flight count updates the view (the router's own count is what balances load)
@@ -100,7 +115,7 @@ def test_one_decision_at_1000_replicas_is_cheap_once_stats_are_cached():
     reps = [
         FakeReplica(
             FakeReplicaID(f"r{i:04d}"),
-            {"resident": [f"a{i}-{j}@1" for j in range(200)], "free_slots": i % 3, "running": i % 7},
+            stats(f"r{i:04d}", resident=[f"a{i}-{j}@1" for j in range(200)], free_slots=i % 3, running=i % 7),
         )
         for i in range(1000)
     ]
@@ -127,7 +142,7 @@ def test_an_idle_replica_missing_from_rays_cache_is_chosen_from_its_fresh_stats(
     forever. The router fills the idle one's entry from its stats, so Ray's own comparison picks it."""
     now = time.time()
     reps = replicas(2, at=now)
-    reps[0].routing_stats.update(running=1)
+    restat(reps[0], running=1)
     router = router_over(reps)
     # a stream in flight there, sent by this router
     router.replica_queue_len_cache.update(reps[0].replica_id, 1)
@@ -135,7 +150,7 @@ def test_an_idle_replica_missing_from_rays_cache_is_chosen_from_its_fresh_stats(
     assert router.replica_queue_len_cache.get(reps[1].replica_id) == 0
     # Stats that say it is busy are believed too: two running + one queued there, one request at r0.
     reps2 = replicas(2, at=now)
-    reps2[1].routing_stats.update(running=2, queue_len=1)
+    restat(reps2[1], running=2, queue_len=1, ongoing=3)
     router2 = router_over(reps2)
     router2.replica_queue_len_cache.update(reps2[0].replica_id, 1)
     assert ray_picks(router2, "") == "r0"
@@ -145,9 +160,9 @@ def test_an_idle_replica_missing_from_rays_cache_is_chosen_from_its_fresh_stats(
 def test_stale_stats_and_unavailable_replicas_are_left_to_rays_probes():
     now = time.time()
     reps = replicas(3)
-    reps[0].routing_stats["at"] = now - request_router.STATS_FRESH_S - 1  # stats stopped coming
-    reps[1].routing_stats["at"] = now  # fresh, but Ray just found the actor unavailable
-    reps[2].routing_stats["at"] = now
+    restat(reps[0], at=now - request_router.STATS_FRESH_S - 1)  # stats stopped coming
+    restat(reps[1], at=now)  # fresh, but Ray just found the actor unavailable
+    restat(reps[2], at=now)
     router = router_over(reps)
     router._unavailable_at[reps[1].replica_id.unique_id] = now
     choose(router, "")
@@ -167,15 +182,15 @@ def test_stale_stats_do_not_count_as_load():
     holds, but its load is then the router's own count of requests in flight."""
     now = time.time()
     reps = replicas(2)
-    reps[0].routing_stats.update(running=1, at=now)
-    reps[1].routing_stats.update(running=64, queue_len=10, kv_usage=0.99, resident=["a@1"], at=now - 9)
+    restat(reps[0], running=1, at=now)
+    restat(reps[1], running=64, queue_len=10, kv_usage=0.99, resident=["a@1"], at=now - 9)
     router = router_over(reps)
     router.replica_queue_len_cache.update(reps[0].replica_id, 1)  # one stream in flight there
     router.replica_queue_len_cache.update(reps[1].replica_id, 0)  # the burst finished: the router saw it end
     assert ray_picks(router, "") == "r1"
     assert choose(router, "a@1")[0] == ["r1"]  # still known to hold its adapter
     # the same stats, fresh: r1 really is full, and the router believes it
-    reps[1].routing_stats = {**reps[1].routing_stats, "at": time.time()}
+    restat(reps[1], at=time.time())
     assert ray_picks(router, "") == "r0"
 
 
@@ -185,8 +200,8 @@ def test_a_count_ray_left_high_is_lowered_by_the_replicas_own_newer_count():
     count of generate() calls, which replaces the higher one; stats older than that send do not."""
     now = time.time()
     reps = replicas(2)
-    reps[0].routing_stats.update(ongoing=1, running=1, at=now)
-    reps[1].routing_stats.update(ongoing=0, at=now)
+    restat(reps[0], ongoing=1, running=1, at=now)
+    restat(reps[1], ongoing=0, at=now)
     router = router_over(reps)
     router.replica_queue_len_cache.update(reps[0].replica_id, 1)
     router.replica_queue_len_cache.update(reps[1].replica_id, 10)  # leaked

@@ -24,7 +24,7 @@ from app.catalog.redis_server import free_port, start_redis
 from app.catalog.store import Catalog
 from app.cli.serve import start_serve
 from app.config.app_config import AppConfig
-from app.replica.core import render_chat
+from app.replica.chat import render_chat
 from app.replica.faults import FAULT_PROMPT_ENV
 from app.replica.lora.peft_format import adapter_summary
 from app.router.routing.assignments import STATS_LAG_S

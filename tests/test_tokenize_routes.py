@@ -39,7 +39,7 @@ def test_tokenize_prompt_and_detokenize_round_trip(stack):
 
 
 def test_tokenize_messages_matches_the_prompt_generation_uses(stack):
-    from app.replica.core import render_chat
+    from app.replica.chat import render_chat
 
     tok = stack.kernel.tokenizer
     messages = [{"role": "user", "content": "hello there"}]

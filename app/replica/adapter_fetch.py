@@ -17,7 +17,8 @@ from typing import Any
 from app.adapter_record import AdapterRecord
 from app.errors import AdapterUnavailable, InvalidAdapter, LoraLandError
 from app.replica import metrics as replica_metrics
-from app.replica.kernel import KernelStats, LLMKernel
+from app.replica.kernel import LLMKernel
+from app.replica.results import KernelStats
 
 log = logging.getLogger("loraland.replica")
 

@@ -26,7 +26,7 @@ from app.replica import metrics as replica_metrics
 from app.replica.adapter_fetch import AdapterFetcher
 from app.replica.catalog_sync import CatalogSync, connect_catalog
 from app.replica.fan_in import fan_in
-from app.replica.faults import fault_hook_from_env
+from app.replica.faults import install_fault_hook
 from app.replica.kernel import LLMKernel
 from app.replica.logprob_text import LogprobText
 from app.replica.prompts import prepare_prompts, tokenize_call
@@ -56,9 +56,7 @@ class ReplicaCore:
         catalog = catalog if catalog is not None else connect_catalog(self.settings.redis_url)
         self.hub = AdapterHub(catalog=catalog, settings=self.settings)
         self.kernel = kernel if kernel is not None else LLMKernel(cfg.model, cfg.kernel, hub=self.hub)
-        hook = fault_hook_from_env(self.kernel.tokenizer)  # tests only: None unless the environment asks
-        if hook is not None:
-            self.kernel.set_fault_hook(hook)
+        install_fault_hook(self.kernel)  # tests only: nothing unless the environment asks for it
         self.fetcher = AdapterFetcher(self.kernel, self.hub)
         self.sync = CatalogSync(
             cfg, replica_id, self.settings.redis_url, catalog, self.kernel, self.fetcher, self.stats

@@ -63,7 +63,7 @@ class LocalBackend:
     def __init__(self, core: ReplicaCore):
         self.core = core
 
-    def stream(self, request: ReplicaRequest, model_id: str) -> AsyncIterator[ReplyItem]:
+    def stream(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
         return reply_items(self.core, request)
 
     async def call(self, method: str, *args: Any) -> dict | TokenizeReply | Failure:

@@ -9,7 +9,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,64 +25,23 @@ from app.replica.composition import Composition, Stages
 from app.replica.engine import Delta, Engine, EngineConfig
 from app.replica.fairness import make_policy
 from app.replica.grammar import Grammars
-from app.replica.logprobs import SampleLogprobs
 from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
 from app.replica.memory import release_free_memory
 from app.replica.model import Model, resolve_dtype
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
+from app.replica.results import Completion, KernelStats
 from app.replica.sequence import Sequence
 from app.sampling_params import SamplingParams
 
 log = logging.getLogger("loraland.kernel")
 
 Prompt = str | list[int]
-AdapterId = (
-    str | ModelSpec | None
-)  # a model id ("a", "a@2", "a|b", "a*0.5+b*0.5"), parsed or not; None = base
+# A model id ("a", "a@2", "a|b", "a*0.5+b*0.5"), parsed or not; None = the base model (or the adaptive chain).
+AdapterId = str | ModelSpec | None
 T = TypeVar("T")
 LONG_PROMPT_CHARS = 4096  # generate() tokenizes prompts longer than this off the event loop
 TRIM_AFTER_CHARS = 1 << 18  # after tokenizing a longer prompt, hand freed heap pages back (memory.py)
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    logprobs: list[SampleLogprobs] | None = None  # one per token id, when asked (sampling's `logprobs`)
-    prompt_logprobs: list[SampleLogprobs] | None = None  # one per prompt token (`prompt_logprobs`)
-
-    def add(self, d: Delta) -> None:
-        """Fold one more delta of the stream in (the engine's text has stop strings and tokens applied)."""
-        self.text += d.text
-        self.token_ids.extend(d.token_ids)
-        self.prompt_tokens = d.prompt_tokens
-        if d.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + d.logprobs
-        if d.prompt_logprobs is not None:
-            self.prompt_logprobs = d.prompt_logprobs
-        if d.finish_reason is not None:
-            self.finish_reason = d.finish_reason
-
-
-@dataclass(frozen=True)
-class KernelStats:
-    """A snapshot of the kernel's queues, KV cache and adapters (what a replica reports and its gauges show)."""
-
-    resident: tuple[str, ...]  # adapter names in a device slot
-    in_memory: tuple[str, ...]  # names servable without a fetch: host memory, a device slot, or reading in
-    loaded: tuple[str, ...]  # every registered name (its loader re-reads it after a host eviction)
-    host_cached: int  # adapters parsed in host memory
-    free_slots: int
-    queue_len: int
-    running: int
-    kv_usage: float
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_queries: int
-    prefix_hits: int
 
 
 class LLMKernel:

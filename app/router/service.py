@@ -11,13 +11,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from app.adapter_record import AdapterRecord
 from app.config.app_config import AppConfig
 from app.errors import CatalogUnavailable, InvalidRequest, UnknownAdapter
 from app.names import ModelSpec, parse_model, resolved
-from app.protocol import ChoiceDelta, Failure, ReplicaRequest, RequestFailed
+from app.protocol import ChoiceDelta, ReplicaRequest
 from app.router.http import openai_schema as oa
 from app.router.http.auth import Caller
-from app.router.routing.replica_client import Backend, ReplicaStream
+from app.router.routing.replica_client import Backend, ReplicaStream, call
+from app.sampling_params import SamplingParams
 
 RECORD_TTL_S = 2.0  # how stale a resolved adapter record may be (a DELETE elsewhere takes this long to bite)
 
@@ -76,7 +78,7 @@ class IngressService:
         for ref in [r for r in self._records if r == name or r.startswith(name + "@")]:
             self._records.pop(ref, None)
 
-    async def resolve(self, model: Any, caller: Caller) -> tuple[ModelSpec, list[Any]]:
+    async def resolve(self, model: Any, caller: Caller) -> tuple[ModelSpec, list[AdapterRecord]]:
         try:
             spec = parse_model(model, self.cfg.base_ids)
         except InvalidRequest as e:
@@ -108,7 +110,8 @@ class IngressService:
         rid: str,
         caller: Caller | None = None,
     ) -> ReplicaRequest:
-        """What the replica needs for a validated OpenAI request `req` resolved to `spec` and `records`; the
+        """What the replica needs for a validated OpenAI request `req` resolved to `spec` and `records`, its
+        sampling built and validated here, once (a bad value is a 400 before any replica is asked); the
         caller's tenant goes along for the replica's fair admission. 400 when prompts x n exceeds the
         per-request cap (AppConfig.max_sequences_per_request): one request must not fill every tenant's queue."""
         prompts = () if chat else tuple(p if isinstance(p, str) else tuple(p) for p in oa.prompts_of(req))
@@ -121,19 +124,19 @@ class IngressService:
             )
         return ReplicaRequest(
             request_id=rid,
-            adapter=spec.canonical(),
-            records=tuple(r.to_dict() for r in records),
+            spec=spec,
+            records=tuple(records),
             prompts=prompts,
             messages=tuple(oa.messages_of(req)) if chat else None,
-            sampling=oa.sampling_of(req),
+            sampling=SamplingParams.from_kwargs(**oa.sampling_of(req)),
             n=req.n,
             tenant=caller.tenant if caller is not None else None,
             echo=bool(getattr(req, "echo", False)) and not chat,
         )
 
-    def stream(self, request: ReplicaRequest, model_id: str) -> ReplicaStream:
+    def stream(self, request: ReplicaRequest) -> ReplicaStream:
         """The request's reply stream on some replica (nothing is sent until its open() or collect())."""
-        return ReplicaStream(self.backend, request, model_id, self.cfg.request_timeout_s)
+        return ReplicaStream(self.backend, request, self.cfg.request_timeout_s)
 
     @staticmethod
     def usage_of(choices: dict[int, ChoiceDelta], n: int) -> dict:
@@ -202,9 +205,7 @@ class IngressService:
         from app.names import check_name
 
         check_name(name)
-        info = await self.backend.call("inspect_adapter", source)
-        if isinstance(info, Failure):
-            raise RequestFailed(info)
+        info = await call(self.backend, "inspect_adapter", source)
         record = await asyncio.to_thread(
             lambda: self.catalog.get().register(
                 name,

@@ -1,7 +1,7 @@
 """The one place that maps LoRA-Land's error classes (and Ray's) to HTTP status codes and OpenAI error bodies.
 
-A replica's in-band `Failure` (app/protocol.py) arrives as `RequestFailed` and maps through the same table as
-the exception it names (`Failure.to_exception`). OpenAI's shape: {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}.
+A replica's in-band `Failure` (app/protocol.py) arrives as the exception it names (the replica client raises
+`Failure.to_exception()`), so it maps through the same table. OpenAI's shape: {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from app.errors import (
     QuotaExceeded,
     UnknownAdapter,
 )
-from app.protocol import RequestFailed
 
 # (status, OpenAI error type, code); the first matching class wins, so subclasses come first.
 _TABLE: list[tuple[type[BaseException], int, str, str]] = [
@@ -69,10 +68,7 @@ class ErrorReply:
 
 def _unwrap(exc: BaseException) -> BaseException:
     """Ray wraps a replica's exception in RayTaskError; its cause is what we map. (Only RayTaskError:
-    an ActorDiedError's cause is why the actor died, and the death is what the caller must hear about.)
-    A replica's in-band failure maps as the exception it names."""
-    if isinstance(exc, RequestFailed):
-        return exc.failure.to_exception()
+    an ActorDiedError's cause is why the actor died, and the death is what the caller must hear about.)"""
     if "ray" not in sys.modules:  # no Ray in this process, so no Ray exception (and no 1-2 s import stall)
         return exc
     try:

@@ -88,7 +88,7 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
         spec, records = await service.resolve(req.model, caller)
         obs.resolved(spec)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
-        stream = service.stream(service.request(req, spec, records, chat, rid, caller), spec.canonical())
+        stream = service.stream(service.request(req, spec, records, chat, rid, caller))
         stream = await quotas.admit(stream)  # 429 over a tenant's or adapter's quota
         if req.stream:
             return await _stream(service, req, stream, rid, chat, obs)

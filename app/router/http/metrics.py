@@ -1,4 +1,4 @@
-"""The ingress's metrics: one request's outcome, tokens and timing; the router's decisions; and GET /metrics for
+"""The ingress's metrics: one request's outcome, tokens and timing; and GET /metrics for
 the whole cluster (this process's registry read live, plus every other LoRA-Land process's latest snapshot from
 the catalog: app/metrics.py has the story).
 
@@ -11,7 +11,6 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Collection, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -85,28 +84,6 @@ class RequestObserver:
                 "error", where="request", status=status, adapter=self.text, tenant=self.tenant,
                 message=str(error)[:300], **metrics.identity(),
             )  # fmt: skip
-
-
-# ---------------------------------------------------------------- the router's decisions
-def decision(
-    adapters: list[str], stats: Mapping | None, placement: Mapping[str, Collection[str]], uid: str
-) -> str:
-    """How a request for `adapters` lands on the replica with `stats` (its routing stats) and id `uid`: "held"
-    (it holds or is loading every one, or the router just sent them there), "free_slot" (room to load the
-    missing ones without evicting), "any" (an eviction may follow), or "base" (no adapter)."""
-    if not adapters:
-        return "base"
-    stats = stats or {}
-    have = set(stats.get("resident") or ()) | set(stats.get("loading") or ())
-    missing = [a for a in adapters if a not in have and uid not in placement.get(a, ())]
-    if not missing:
-        return "held"
-    return "free_slot" if int(stats.get("free_slots") or 0) >= len(missing) else "any"
-
-
-def record_decision(adapters: list[str], stats: Mapping | None, placement: Mapping, uid: str) -> None:
-    if metrics.enabled():
-        metrics.ROUTER_DECISIONS.labels(decision(adapters, stats, placement, uid)).inc()
 
 
 # ---------------------------------------------------------------- the cluster's /metrics

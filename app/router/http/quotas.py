@@ -47,12 +47,11 @@ log = logging.getLogger("loraland.quotas")
 LEASE_TTL_S = 30.0  # a crashed ingress's concurrency slots free themselves after this long
 REDIS_RETRY_S = 2.0  # after Redis failed, enforce locally this long before trying it again
 SNAPSHOT_REFRESH_S = 30.0  # how often every quota is re-read, for the fallback to know tenants not yet seen
-DEFAULT_MAX_TOKENS = 16  # the kernel's default when a request sets none (app/replica/sampling.py)
 
 
 def reserve_tokens(request: ReplicaRequest) -> int:
     """Tokens a request reserves at admission: its prompt(s) plus max_tokens for each of its n samples."""
-    max_tokens = int(request.sampling.get("max_tokens") or DEFAULT_MAX_TOKENS)
+    max_tokens = request.sampling.max_tokens
 
     def text(s: str) -> int:  # about 4 bytes a token for BPE vocabularies, plus BOS
         return -(-len(s.encode()) // 4) + 1
@@ -68,7 +67,7 @@ def scopes_of(request: ReplicaRequest) -> list[str]:
     """The quota scopes a request counts against: its tenant, and each adapter it uses (by name)."""
     sids = [f"tenant:{request.tenant}"] if request.tenant else []
     for record in request.records:
-        sid = f"adapter:{record['name']}"
+        sid = f"adapter:{record.name}"
         if sid not in sids:
             sids.append(sid)
     return sids

@@ -14,9 +14,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from app.errors import LoraLandError
-from app.protocol import Failure, RequestFailed, TokenizeCall, TokenizeReply
+from app.protocol import TokenizeCall, TokenizeReply
 from app.router.http import openai_schema as oa
 from app.router.http.errors import error_reply
+from app.router.routing.replica_client import call as replica_call
 
 
 class TokenizeBody(BaseModel):
@@ -52,9 +53,7 @@ def _call_of(body: TokenizeBody) -> TokenizeCall:
 
 
 async def _ask(service: Any, call: TokenizeCall) -> TokenizeReply:
-    reply = await service.backend.call("tokenize", call)
-    if isinstance(reply, Failure):
-        raise RequestFailed(reply)
+    reply = await replica_call(service.backend, "tokenize", call)
     if not isinstance(reply, TokenizeReply):
         raise LoraLandError(f"the replica answered tokenize with {type(reply).__name__}")
     return reply

@@ -10,20 +10,21 @@ of the request in hand). Pure Python: the router and the placement simulator sha
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
+
+from app.protocol import ReplicaStats
 
 # A replica's stats older than an assignment plus this may not show the adapter yet (request in flight, load not
 # started); newer stats that show it neither held nor loading mean it was evicted since.
 STATS_LAG_S = 2.0
 
 
-def dropped_since(stats: Mapping, adapter: str, sent_at: float) -> bool:
+def dropped_since(stats: ReplicaStats, adapter: str, sent_at: float) -> bool:
     """Whether a replica's stats, taken well after `adapter` was sent there, show it neither held nor loading:
     evicted since (the memory would otherwise keep routing there, to a reload, for the rest of its TTL)."""
-    at = stats.get("at")
-    if at is None or at < sent_at + STATS_LAG_S:
+    if stats.at < sent_at + STATS_LAG_S:
         return False
-    return adapter not in (stats.get("resident") or ()) and adapter not in (stats.get("loading") or ())
+    return adapter not in stats.resident and adapter not in stats.loading
 
 
 class AssignmentMemory:
@@ -58,9 +59,10 @@ class AssignmentMemory:
             return []
         return list(w.items())
 
-    def confirmed(self, adapter: str, now: float, stats_of: Callable[[Hashable], Mapping | None]) -> list:
+    def confirmed(self, adapter: str, now: float, stats_of: Callable[[Hashable], ReplicaStats | None]) -> list:
         """Replicas `adapter` was sent to within ttl_s, oldest first, less those gone (`stats_of` gives None) and
-        those whose newer stats show it dropped (forgotten here). The router and the simulator both call this."""
+        those whose newer stats show it dropped (forgotten here). The router and the simulator both call this.
+        A live replica that has not reported yet has empty stats (at 0: nothing newer than the send)."""
         out = []
         for replica, sent_at in self.entries(adapter, now):
             stats = stats_of(replica)

@@ -23,6 +23,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from app.protocol import ReplicaStats
+
 
 @dataclass(frozen=True)
 class ReplicaView:
@@ -155,18 +157,26 @@ def rank_replicas(
 
 
 def view_from_stats(
-    replica_id: str, stats: Mapping | None, *, ongoing: int = 0, max_ongoing: int = 1
+    replica_id: str,
+    stats: ReplicaStats | None,
+    *,
+    ongoing: int = 0,
+    max_ongoing: int = 1,
+    with_load: bool = True,
 ) -> ReplicaView:
-    """Build a ReplicaView from a replica's `record_routing_stats()` dict (missing keys = unknown = idle)."""
-    stats = stats or {}
+    """The router's view of a replica from its last `record_routing_stats()` (None: nothing reported yet, so
+    it holds nothing and is idle). Without `with_load` (stats too old to say how busy it is now) only what it
+    holds counts; its load is then the router's own count, `ongoing`."""
+    if stats is None:
+        return ReplicaView(replica_id, ongoing=ongoing, max_ongoing=max_ongoing)
     return ReplicaView(
         replica_id=replica_id,
-        resident=frozenset(stats.get("resident") or ()),
-        free_slots=int(stats.get("free_slots") or 0),
-        queue_len=int(stats.get("queue_len") or 0),
-        running=int(stats.get("running") or 0),
+        resident=frozenset(stats.resident),
+        free_slots=stats.free_slots,
+        queue_len=stats.queue_len if with_load else 0,
+        running=stats.running if with_load else 0,
         ongoing=ongoing,
         max_ongoing=max_ongoing,
-        kv_usage=float(stats.get("kv_usage") or 0.0),
-        loading=frozenset(stats.get("loading") or ()),
+        kv_usage=stats.kv_usage if with_load else 0.0,
+        loading=frozenset(stats.loading),
     )

@@ -1,11 +1,13 @@
 """The ingress's side of app/protocol.py: send a `ReplicaRequest` to some replica and read its reply stream.
 
-A Backend streams a request's reply items from a replica: Ray Serve's handle in production (`ServeBackend`:
-the adapter ref is the multiplexed model id, so the affinity router sees it), or a ReplicaCore in the same
-process for tests of the HTTP layer (app/replica/deployment.py's LocalBackend). `ReplicaStream` turns the
-items into ChoiceDeltas (a DeltaBatch into its deltas, one at a time), raises a replica's in-band Failure as `RequestFailed` (app/router/http/errors.py maps
-it through the same table as any exception), and sends the request again, up to MAX_ATTEMPTS times in all, when
-its replica died before it produced output (counted in loraland_replica_retries).
+A Backend streams a request's reply items from a replica: Ray Serve's handle in production (`ServeBackend`; the
+router reads the request's adapters from the ReplicaRequest itself), or a ReplicaCore in the same process for
+tests of the HTTP layer (app/replica/deployment.py's LocalBackend). `ReplicaStream` turns the items into
+ChoiceDeltas (a DeltaBatch into its deltas, one at a time), raises a replica's in-band Failure as the exception
+it names (`Failure.to_exception`; the HTTP edge maps it through the same table as any exception), and sends the
+request again, up to MAX_ATTEMPTS times in all, when its replica died before it produced output (counted in
+loraland_replica_retries). `call` does the same for a replica's unary methods. With app/replica/deployment.py
+this is the Ray edge: nowhere else does a `Failure` appear.
 """
 
 from __future__ import annotations
@@ -20,15 +22,7 @@ from typing import Any, Protocol
 
 from app import metrics
 from app.errors import LoraLandError
-from app.protocol import (
-    ChoiceDelta,
-    DeltaBatch,
-    Failure,
-    ReplicaHello,
-    ReplicaRequest,
-    ReplyItem,
-    RequestFailed,
-)
+from app.protocol import ChoiceDelta, DeltaBatch, Failure, ReplicaHello, ReplicaRequest, ReplyItem
 from app.router.http.errors import replica_failed
 
 log = logging.getLogger("loraland.ingress")
@@ -44,9 +38,17 @@ _timeout = getattr(asyncio, "timeout", None)
 
 
 class Backend(Protocol):
-    def stream(self, request: ReplicaRequest, model_id: str) -> AsyncIterator[ReplyItem]: ...
+    def stream(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]: ...
 
     async def call(self, method: str, *args: Any) -> Any: ...
+
+
+async def call(backend: Backend, method: str, *args: Any) -> Any:
+    """A replica method's result; its in-band Failure raises as the exception it names."""
+    result = await backend.call(method, *args)
+    if isinstance(result, Failure):
+        raise result.to_exception()
+    return result
 
 
 class ServeBackend:
@@ -55,8 +57,9 @@ class ServeBackend:
     def __init__(self, handle: Any):
         self.handle = handle
 
-    def stream(self, request: ReplicaRequest, model_id: str) -> AsyncIterator[ReplyItem]:
-        return self.handle.options(stream=True, multiplexed_model_id=model_id).generate.remote(request)
+    def stream(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
+        # The model id rides as the multiplexed id for Serve's metrics and logs; the router reads request.spec.
+        return self.handle.options(stream=True, multiplexed_model_id=request.model_id).generate.remote(request)
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.handle, method).remote(*args)
@@ -67,8 +70,8 @@ class ReplicaStream:
     stop early; or `collect()` for all of it. `choices` accumulates every delta read so far, per choice index
     (their finish reasons are the kernel's: app/router/http/openai_schema.finish_reason shapes them for OpenAI)."""
 
-    def __init__(self, backend: Backend, request: ReplicaRequest, model_id: str, timeout_s: float):
-        self.backend, self.request, self.model_id, self.timeout_s = backend, request, model_id, timeout_s
+    def __init__(self, backend: Backend, request: ReplicaRequest, timeout_s: float):
+        self.backend, self.request, self.timeout_s = backend, request, timeout_s
         self.replica: str | None = None  # which replica answered (ReplicaHello)
         self.choices: dict[int, ChoiceDelta] = {}
         self.first_delta_at: float | None = None  # time.monotonic() of the first delta read (TTFT)
@@ -100,7 +103,7 @@ class ReplicaStream:
                 raise
 
     async def next(self) -> ChoiceDelta | None:
-        """The next delta, or None when the reply is complete; a Failure raises RequestFailed."""
+        """The next delta, or None when the reply is complete; a Failure raises the exception it names."""
         if not self._ready:
             try:
                 item = await self._read()
@@ -160,7 +163,7 @@ class ReplicaStream:
     def _start(self) -> None:
         self.replica, self.choices, self._done, self.first_delta_at = None, {}, False, None
         self._ready.clear()
-        self._items = self.backend.stream(self.request, self.model_id)
+        self._items = self.backend.stream(self.request)
 
     async def _read(self) -> ReplyItem:
         if self._items is None:
@@ -173,7 +176,7 @@ class ReplicaStream:
     def _take(self, item: ReplyItem) -> None:
         """Record a reply item's deltas in `choices` and queue them for the caller; a Failure raises."""
         if isinstance(item, Failure):
-            raise RequestFailed(item)
+            raise item.to_exception()
         if isinstance(item, DeltaBatch):
             for delta in item.deltas:
                 self._take(delta)

@@ -1,7 +1,7 @@
 """Adapter-affinity routing for the replica deployment: a Ray Serve `RequestRouter`.
 
-The adapter (or the canonical chain/merge spec) travels as the request's multiplexed model id. Replicas
-report what they hold through `record_routing_stats()`; those stats reach the router only every
+A request's adapters are read from the ReplicaRequest itself (its `spec`, parsed and resolved once by the
+ingress). Replicas report what they hold through `record_routing_stats()` (a ReplicaStats); those stats reach the router only every
 `request_routing_stats_period_s`, so the router also remembers where it just sent each adapter: a burst
 of requests for a cold adapter then lands on the one replica that is already loading it instead of
 making every replica fetch it. That memory also says which adapters are warm (routed within it): placement.py
@@ -26,9 +26,9 @@ import time
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from app.names import parse_model
-from app.router.http.metrics import record_decision
+from app.protocol import ReplicaRequest, ReplicaStats
 from app.router.routing.assignments import AssignmentMemory
+from app.router.routing.decisions import record_decision
 from app.router.routing.placement import PlacementPolicy, ReplicaView, rank_replicas, view_from_stats
 
 logger = logging.getLogger("ray.serve")
@@ -39,20 +39,21 @@ ASSIGNMENT_TTL_S = 30.0
 # (stats come every routing_stats_period_s, 1 s by default, through the controller's long poll, which lags on a
 # busy machine). Older ones still say which adapters it holds.
 STATS_FRESH_S = 3.0
-_LOAD_KEYS = ("running", "queue_len", "kv_usage")
 # After Ray reports a replica unavailable, it is left to Ray's own probes for this long (no stats seeding).
 UNAVAILABLE_HOLD_S = 10.0
 
 
-def stats_are_fresh(stats: dict | None, now: float) -> bool:
-    """Whether a replica's routing stats are recent enough to count as its load."""
-    at = (stats or {}).get("at")
-    return at is not None and now - at <= STATS_FRESH_S
+def stats_of(replica: RunningReplica) -> ReplicaStats | None:
+    """A replica's last routing stats (None until its first report arrives)."""
+    return ReplicaStats.of(getattr(replica, "routing_stats", None))
 
 
-def adapters_of(model_id: str) -> list[str]:
-    """The adapter refs a multiplexed model id needs: 'a@1|b@2' and 'a@1*0.5+b@2*0.5' need both."""
-    return [t.ref for t in parse_model(model_id).terms()] if model_id else []
+def adapters_needed(pending_request: PendingRequest | None) -> list[str]:
+    """The adapter versions a request needs, from the ReplicaRequest the ingress parsed and resolved: 'a@1|b@2'
+    and 'a@1*0.5+b@2*0.5' need both. Other calls (inspect_adapter, tokenize) need none."""
+    args = pending_request.args if pending_request is not None else None
+    request = args[0] if args else None
+    return [t.ref for t in request.spec.terms()] if isinstance(request, ReplicaRequest) else []
 
 
 class AdapterAffinityRouter(RequestRouter):
@@ -86,22 +87,19 @@ class AdapterAffinityRouter(RequestRouter):
         """Requests in flight at `r`: Ray's cached count, else (filling the cache) the count in its fresh stats."""
         cache = self.replica_queue_len_cache
         known = cache.get(r.replica_id)
-        stats = r.routing_stats or {}
+        stats = stats_of(r)
         uid = r.replica_id.unique_id
-        theirs = stats.get("ongoing")  # the replica's own count of generate() calls in progress
-        if theirs is None:  # a replica without the field: its kernel's sequences
-            theirs = int(stats.get("running") or 0) + int(stats.get("queue_len") or 0)
-        theirs = int(theirs)
+        if stats is None or not stats.fresh(now, STATS_FRESH_S):
+            return 0 if known is None else known  # no recent stats: Ray's count, or Ray probes it
+        theirs = stats.ongoing  # the replica's own count of generate() calls in progress
         if known is not None:
             # Ray's count can stay high (request ends it did not see: an e2e run had an idle replica stuck at 10
             # and six streams in a row sent to the other). The replica's own count, taken after this router's
             # last send there, is the truth then.
-            if theirs < known and stats_are_fresh(stats, now) and stats["at"] > self._last_sent.get(uid, 0.0):
+            if theirs < known and stats.at > self._last_sent.get(uid, 0.0):
                 cache.update(r.replica_id, theirs)
                 return theirs
             return known
-        if not stats_are_fresh(stats, now):
-            return 0  # no recent stats: Ray probes it
         if now - self._unavailable_at.get(uid, now - UNAVAILABLE_HOLD_S) < UNAVAILABLE_HOLD_S:
             return 0  # Ray found it unavailable lately: leave it to Ray's probes
         cache.update(r.replica_id, theirs)
@@ -114,7 +112,8 @@ class AdapterAffinityRouter(RequestRouter):
             self._memory.sweep(now)
             self._swept = now
         stats = {
-            r.replica_id.unique_id: getattr(r, "routing_stats", None) or {} for r in self._replicas.values()
+            r.replica_id.unique_id: stats_of(r) or ReplicaStats(r.replica_id.unique_id)
+            for r in self._replicas.values()
         }
         out: dict[str, list[str]] = {}
         for adapter in adapters:
@@ -131,7 +130,6 @@ class AdapterAffinityRouter(RequestRouter):
         self._state_ready()
         if not candidate_replicas:
             return []
-        model_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if pending_request is not None:
             # The tiers below cover every replica: when none of them takes the request, Ray must sleep before
             # the next pass (the flag's default, False, makes it retry at once, again and again).
@@ -144,16 +142,16 @@ class AdapterAffinityRouter(RequestRouter):
         views = []
         now = time.time()
         for r in candidate_replicas:
-            uid, stats = r.replica_id.unique_id, r.routing_stats
+            uid, stats = r.replica_id.unique_id, stats_of(r)
             # The router's own count of requests in flight is fresher than the replica's last stats.
             ongoing = self._queue_len(r, now)
-            fresh = stats_are_fresh(stats, now)
+            fresh = stats is not None and stats.fresh(now, STATS_FRESH_S)
             cached = self._views.get(uid)
             if cached is None or cached[0] is not stats or cached[2] != fresh:
-                load_stats = (
-                    stats if fresh else {k: v for k, v in (stats or {}).items() if k not in _LOAD_KEYS}
+                # Old stats still say what the replica holds, not how loaded it is.
+                view = view_from_stats(
+                    uid, stats, ongoing=ongoing, max_ongoing=r.max_ongoing_requests, with_load=fresh
                 )
-                view = view_from_stats(uid, load_stats, ongoing=ongoing, max_ongoing=r.max_ongoing_requests)
                 self._views[uid] = (stats, ongoing, fresh, view)
             elif cached[1] != ongoing or cached[3].max_ongoing != r.max_ongoing_requests:
                 view = dataclasses.replace(cached[3], ongoing=ongoing, max_ongoing=r.max_ongoing_requests)
@@ -161,19 +159,18 @@ class AdapterAffinityRouter(RequestRouter):
             else:
                 view = cached[3]
             views.append(view)
-        needed = adapters_of(model_id) if model_id else []
+        needed = adapters_needed(pending_request)
         recent = self._recent_placement(needed)
         tiers = rank_replicas(needed, views, recent, self._policy, warm=recent.keys())
         return [[by_uid[rid] for rid in tier] for tier in tiers]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._state_ready()
-        model_id = pending_request.metadata.multiplexed_model_id
         replica = self._replicas.get(replica_id)
-        needed = adapters_of(model_id) if model_id else []
+        needed = adapters_needed(pending_request)
         # Classified on what this router knew before this request (its own memory is updated below).
         if pending_request.metadata.call_method == "generate":  # not admin calls (inspect_adapter)
-            stats = getattr(replica, "routing_stats", None)
+            stats = stats_of(replica) if replica is not None else None
             record_decision(needed, stats, self._recent_placement(needed), replica_id.unique_id)
         now = time.time()
         self._last_sent[replica_id.unique_id] = now
