@@ -90,7 +90,11 @@ def _cat(terms: list[tuple[LoraWeights, float]], keys: list) -> dict:
     tensors = {}
     for key in keys:
         parts = [(lw.tensors[key], w * lw.scale) for lw, w in terms if key in lw.tensors]
-        a = torch.cat([a * s for (a, _), s in parts], 0)
+        a = torch.cat([a for (a, _), _ in parts], 0)
+        at = 0
+        for (part, _), s in parts:  # scale in place: one copy of A instead of two
+            a[at : at + part.shape[0]].mul_(s)
+            at += part.shape[0]
         b = torch.cat([b for (_, b), _ in parts], 1)
         tensors[key] = (a, b)
     return tensors
