@@ -65,7 +65,8 @@ class ReplicaCore:
         self.warmed: tuple[str, ...] | None = None  # what warm_up loaded before the first request
         self._generating = 0  # generate() calls in progress: the routers correct their counts with it
         self._texts: LogprobText | None = None  # token texts for log probabilities, built on first use
-        self._gauges = replica_metrics.ReplicaGauges(self)  # read when /metrics or a snapshot collects
+        # read when /metrics or a snapshot collects
+        self._gauges = replica_metrics.ReplicaGauges(replica_id, self.kernel.stats, self.hub.cache.root)
         metrics.COLLECTORS.append(self._gauges)
         self._metrics: Any = None  # the snapshot publisher, once started
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from app import metrics
 from app import metrics_core as mc
 from app.adapter_record import AdapterRecord
+from app.replica.results import KernelStats
 
 log = logging.getLogger("loraland.replica")
 
@@ -34,13 +36,13 @@ class ReplicaGauges:
     blocks, prefix cache, adapters per tier, free slots. Each series names its replica itself: a test process
     may hold several."""
 
-    def __init__(self, core: Any):
-        self.core = core
+    def __init__(self, replica_id: str, stats: Callable[[], KernelStats], disk_root: Path):
+        self.replica_id, self.stats, self.disk_root = replica_id, stats, disk_root
 
     def __call__(self) -> list[list]:
-        rid = [self.core.replica_id]
+        rid = [self.replica_id]
         try:
-            s = self.core.kernel.stats()
+            s = self.stats()
         except Exception as e:  # a kernel that is closing: report nothing rather than fail the scrape
             log.debug("replica gauges unavailable: %s", e)
             return []
@@ -51,7 +53,7 @@ class ReplicaGauges:
         def c(name: str, doc: str, value: float) -> list:
             return mc.family(name, "counter", doc, ["replica"], [[rid, float(value)]])
 
-        disk = disk_cached(self.core.hub.cache.root)
+        disk = disk_cached(self.disk_root)
         tiers = [
             [[*rid, "device"], len(s.resident)],
             [[*rid, "host"], s.host_cached],
