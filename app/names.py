@@ -5,7 +5,7 @@ Merges. `a*0.7+b*0.3` is the exact sum of the terms' deltas (PEFT's combination_
 side along the rank axis). Any of PEFT's `add_weighted_adapter` combination types is asked for by name around
 the terms, options after `;`:
     KIND(a*0.7+b*0.3[;option=value]...)        e.g. ties(a*0.7+b*0.3;density=0.5)
-KIND is one of MERGE_OPTIONS: cat, linear, svd, ties, ties_svd, dare_linear, dare_ties, dare_linear_svd,
+KIND is one of app/merge_methods.py's MERGE_OPTIONS: cat, linear, svd, ties, ties_svd, dare_linear, dare_ties, dare_linear_svd,
 dare_ties_svd, magnitude_prune, magnitude_prune_svd. Options, each only where PEFT uses it: density (0 < d <= 1,
 required by the pruning kinds), majority_sign_method (total | frequency; default total), svd_rank (default:
 the largest term rank, as PEFT), svd_clamp (a quantile in (0, 1]; default none), seed (DARE's random masks;
@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from app.errors import InvalidRequest
+from app.merge_methods import MergeMethod, parse_method
 
 _SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 ADAPTER_NAME_RE = re.compile(rf"^{_SEGMENT}(?:/{_SEGMENT})?$")
@@ -82,42 +83,6 @@ class Term:
     @property
     def ref(self) -> str:
         return self.name if self.version is None else f"{self.name}@{self.version}"
-
-
-_DENSITY, _SIGN, _SVD, _SEED = ("density",), ("majority_sign_method",), ("svd_rank", "svd_clamp"), ("seed",)
-MERGE_OPTIONS: dict[str, tuple[str, ...]] = {  # PEFT's combination types and the options each one uses
-    "cat": (),
-    "linear": (),
-    "svd": _SVD,
-    "ties": _DENSITY + _SIGN,
-    "ties_svd": _DENSITY + _SIGN + _SVD,
-    "dare_linear": _DENSITY + _SEED,
-    "dare_ties": _DENSITY + _SIGN + _SEED,
-    "dare_linear_svd": _DENSITY + _SEED + _SVD,
-    "dare_ties_svd": _DENSITY + _SIGN + _SEED + _SVD,
-    "magnitude_prune": _DENSITY,
-    "magnitude_prune_svd": _DENSITY + _SVD,
-}
-_OPTION_DEFAULTS = {"majority_sign_method": "total", "seed": 0, "svd_rank": None, "svd_clamp": None}
-
-
-@dataclass(frozen=True)
-class MergeMethod:
-    """How a merge stage combines its terms (PEFT's add_weighted_adapter); the options are None where the kind
-    does not use them, and hold their defaults where it does (see the module docstring)."""
-
-    kind: str = "cat"
-    density: float | None = None
-    majority_sign_method: str | None = None
-    svd_rank: int | None = None
-    svd_clamp: float | None = None
-    seed: int | None = None
-
-    def text(self, terms: str) -> str:
-        """`terms` ('a*0.7+b*0.3') wrapped in this method's syntax, options at their defaults left out."""
-        opts = [f"{k}={getattr(self, k):g}" if isinstance(getattr(self, k), float) else f"{k}={getattr(self, k)}"
-                for k in MERGE_OPTIONS[self.kind] if getattr(self, k) != _OPTION_DEFAULTS.get(k)]  # fmt: skip
-        return f"{self.kind}({';'.join([terms, *opts])})"
 
 
 @dataclass(frozen=True)
@@ -229,7 +194,10 @@ def parse_model(model: object, base_ids: tuple[str, ...] | frozenset[str] = ()) 
     for st in stages_text:
         if not st.strip():
             raise _bad(model, "an empty chain stage")
-        st, method = _parse_method(model, st)
+        try:
+            st, method = parse_method(st)
+        except ValueError as e:
+            raise _bad(model, str(e)) from None
         parts = _split_terms(st)
         if len(parts) > MAX_TERMS:
             raise _bad(model, f"a merge has at most {MAX_TERMS} terms")
@@ -242,58 +210,6 @@ def parse_model(model: object, base_ids: tuple[str, ...] | frozenset[str] = ()) 
         stages.append(terms)
         methods.append(method if method is not None and (method.kind != "cat" or len(terms) == 1) else None)
     return ModelSpec(tuple(stages), tuple(methods) if any(methods) else ())
-
-
-_METHOD_RE = re.compile(r"^\s*(?P<kind>[a-z_]+)\s*\((?P<inner>[^()]*)\)\s*$")
-
-
-def _parse_method(model: str, st: str) -> tuple[str, MergeMethod | None]:
-    """`KIND(terms;opt=v;...)` -> (terms, MergeMethod); anything else is a plain stage, returned as is."""
-    m = _METHOD_RE.match(st)
-    if m is None:
-        if "(" in st or ")" in st:
-            raise _bad(
-                model,
-                f"{st.strip()!r} is not KIND(terms;option=value...), e.g. ties(a*0.7+b*0.3;density=0.5)",
-            )
-        return st, None
-    kind, (terms, *opts) = m["kind"], m["inner"].split(";")
-    if kind not in MERGE_OPTIONS:
-        raise _bad(model, f"unknown merge type {kind!r}: use one of {', '.join(MERGE_OPTIONS)}")
-    values: dict[str, object] = {k: _OPTION_DEFAULTS.get(k) for k in MERGE_OPTIONS[kind]}
-    seen = set()
-    for opt in opts:
-        key, eq, raw = (x.strip() for x in opt.partition("="))
-        if not eq or key not in MERGE_OPTIONS[kind] or key in seen:
-            allowed = ", ".join(MERGE_OPTIONS[kind]) or "none"
-            raise _bad(model, f"option {opt.strip()!r} of a {kind} merge: options are key=value, once each, "
-                              f"from: {allowed}")  # fmt: skip
-        seen.add(key)
-        values[key] = _option_value(model, kind, key, raw)
-    if "density" in values and values["density"] is None:
-        raise _bad(model, f"a {kind} merge needs a density, e.g. {kind}(a*0.7+b*0.3;density=0.5)")
-    return terms, MergeMethod(kind, **values)
-
-
-def _option_value(model: str, kind: str, key: str, raw: str) -> object:
-    try:
-        if key == "majority_sign_method":
-            if raw not in ("total", "frequency"):
-                raise ValueError
-            return raw
-        if key in ("svd_rank", "seed"):
-            v = int(raw)
-            if v < (1 if key == "svd_rank" else 0) or v >= 2**63 or str(v) != raw:
-                raise ValueError
-            return v
-        v = float(raw)
-        if not 0.0 < v <= 1.0:  # density: a fraction kept; svd_clamp: a quantile
-            raise ValueError
-        return v
-    except ValueError:
-        rule = {"majority_sign_method": "total or frequency", "svd_rank": "a positive integer",
-                "seed": "a non-negative integer"}.get(key, "a number in (0, 1]")  # fmt: skip
-        raise _bad(model, f"{kind} option {key}={raw!r} must be {rule}") from None
 
 
 def resolved(spec: ModelSpec, versions: dict[str, int]) -> ModelSpec:

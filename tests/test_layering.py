@@ -26,6 +26,7 @@ FORBIDDEN: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             "app.files",
             "app.protocol",
             "app.adapter_record",
+            "app.merge_methods",
             "app.sampling_params",
             "app.config",
         ),

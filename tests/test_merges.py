@@ -15,7 +15,8 @@ import torch
 
 from app.config.model_config import ModelConfig
 from app.errors import InvalidRequest
-from app.names import MergeMethod, merge_id, parse_model, resolved
+from app.merge_methods import MergeMethod
+from app.names import merge_id, parse_model, resolved
 from app.replica.lora.merge import merge_adapters
 from app.replica.lora.peft_format import read_adapter
 from tests.fixtures.adapters import SPECS_BY_NAME, AdapterSpec, make_peft_adapter, peft_model_with

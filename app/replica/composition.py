@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from app.errors import InvalidRequest, UnknownAdapter
-from app.names import MergeMethod, ModelSpec, Term, parse_model
+from app.merge_methods import MergeMethod
+from app.names import ModelSpec, Term, parse_model
 from app.replica.lora.manager import AdapterManager
 from app.replica.lora.merge import merge_adapters
 from app.replica.lora.weights import LoraWeights

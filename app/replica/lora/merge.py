@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from app.errors import InvalidRequest
-from app.names import MergeMethod
+from app.merge_methods import MergeMethod
 from app.replica.lora.weights import LoraWeights, pad_ranks
 
 

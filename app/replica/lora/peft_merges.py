@@ -24,7 +24,7 @@ import torch
 
 from app.config.model_config import LORA_MODULES
 from app.errors import InvalidRequest
-from app.names import MergeMethod
+from app.merge_methods import MergeMethod
 from app.replica.lora.weights import LoraWeights, Tensors
 
 ENTRYWISE = ("linear", "ties", "dare_linear", "dare_ties", "magnitude_prune")
