@@ -490,7 +490,7 @@ class TenantKernel(FakeKernel):
         self.tenants, self.weights = [], None
 
     async def generate(self, prompt, adapter, *, tenant=None, **kw):
-        from app.replica.engine import Delta
+        from app.replica.output_state import Delta
 
         self.tenants.append(tenant)
         yield Delta("x", [1], "length", 1, 1)

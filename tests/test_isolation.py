@@ -17,7 +17,8 @@ from safetensors.numpy import load_file, save_file
 
 from app.config.model_config import ModelConfig
 from app.errors import InternalError, InvalidAdapter, InvalidRequest, LoraLandError
-from app.replica.engine import Engine, EngineConfig
+from app.replica.engine import Engine
+from app.replica.engine_config import EngineConfig
 from app.replica.model import Model
 from app.sampling_params import SamplingParams
 from loraland import LLMKernel

@@ -149,7 +149,7 @@ def test_kernel_config_errors_name_the_field_and_range(options, field):
 def test_kernel_config_is_the_one_home_of_the_kernel_options():
     import dataclasses
 
-    from app.replica.engine import EngineConfig
+    from app.replica.engine_config import EngineConfig
 
     # AppConfig's `kernel:` takes exactly the kernel's options; the engine's step budget default agrees
     assert KernelConfig.option_names() == {f.name for f in dataclasses.fields(KernelConfig)}

@@ -8,21 +8,19 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from app.config.kernel_config import KernelConfig
 from app.errors import (
     AdapterUnavailable,
     InternalError,
     InvalidAdapter,
-    InvalidRequest,
     LoraLandError,
     QueueFull,
 )
 from app.replica.batch_builder import BatchBuilder, PromptRows
+from app.replica.engine_config import EngineConfig, check_request
 from app.replica.fairness import AdmissionPolicy
 from app.replica.grammar import GrammarState
 from app.replica.kv_cache import BlockAllocator, KVCache
@@ -37,29 +35,6 @@ from app.replica.sequence import Sequence
 from app.sampling_params import SamplingParams
 
 log = logging.getLogger("loraland.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int = 16
-    max_batch_size: int = 32
-    max_num_batched_tokens: int = KernelConfig.max_num_batched_tokens  # one default: KernelConfig's
-    enable_prefix_caching: bool = True
-    max_waiting: int = 4096
-
-    def __post_init__(self) -> None:
-        for key in (
-            "max_model_len",
-            "num_kv_blocks",
-            "block_size",
-            "max_batch_size",
-            "max_num_batched_tokens",
-            "max_waiting",
-        ):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
 
 
 class Engine:
@@ -115,30 +90,7 @@ class Engine:
     # ------------------------------------------------------------------ submission (any thread)
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest (naming what to change) if this prompt with these parameters cannot run here."""
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty: give at least one token")
-        n = len(prompt_ids)
-        if n >= self.cfg.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens but max_model_len is {self.cfg.max_model_len} "
-                "(prompt + at least one new token must fit): shorten the prompt"
-            )
-        vocab = self.model.cfg.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        if outside := sorted(t for t, _ in params.logit_bias if t >= vocab):
-            err = InvalidRequest(
-                f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {vocab})"
-            )
-            err.param = "logit_bias"
-            raise err
-        need = min(n + params.max_tokens, self.cfg.max_model_len)
-        blocks = -(-need // self.cfg.block_size)
-        if blocks > self.cfg.num_kv_blocks:
-            raise InvalidRequest(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks but the cache "
-                f"has {self.cfg.num_kv_blocks} of {self.cfg.block_size} tokens: lower max_tokens or the prompt"
-            )
+        check_request(prompt_ids, params, self.cfg, self.model.cfg.vocab_size)
 
     def add(
         self,

@@ -22,13 +22,15 @@ from app.names import ModelSpec, check_name
 from app.replica.adapter_reader import AdapterReader
 from app.replica.chat import render_chat
 from app.replica.composition import Composition, Stages
-from app.replica.engine import Delta, Engine, EngineConfig
+from app.replica.engine import Engine
+from app.replica.engine_config import EngineConfig
 from app.replica.fairness import make_policy
 from app.replica.grammar import Grammars
 from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
 from app.replica.memory import release_free_memory
 from app.replica.model import Model, resolve_dtype
+from app.replica.output_state import Delta
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
 from app.replica.results import Completion, KernelStats
 from app.replica.sequence import Sequence
