@@ -1,4 +1,4 @@
-"""load_tests.bench_serving against a small OpenAI-shaped server on 127.0.0.1 with known delays and faults.
+"""load_tests.serving.bench_serving against a small OpenAI-shaped server on 127.0.0.1 with known delays and faults.
 
 The server (a raw asyncio HTTP/1.1 server in a thread) answers /v1/completions by the requested model's name:
 err429 / err500 → that status; drop → one chunk then the connection closes mid-body; slow → no answer for
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from load_tests import bench_serving, stats
-from load_tests import client as cl
-from load_tests.workload import (
+from load_tests.harness import client as cl
+from load_tests.harness import stats
+from load_tests.harness.workload import (
     LengthDist,
     assign_models,
     build_workload,
@@ -32,6 +32,7 @@ from load_tests.workload import (
     parse_popularity,
     poisson_arrivals,
 )
+from load_tests.serving import bench_serving
 
 FIRST, GAP = 0.08, 0.02
 REPO = Path(__file__).resolve().parents[1]
@@ -408,7 +409,7 @@ def test_sweep_json_schema_and_plots(server, tmp_path, capsys):
         "fake",
     )
     assert rc == 0
-    assert res["tool"] == "load_tests.bench_serving" and res["schema_version"] == 1
+    assert res["tool"] == "load_tests.serving.bench_serving" and res["schema_version"] == 1
     assert res["config"]["api_key"] == "***" and res["config"]["concurrency"] == 8
     assert [r["num_adapters"] for r in res["runs"]] == [0, 1, 2, 4]
     assert res["baseline"] == "fake base model"
@@ -462,7 +463,7 @@ def test_bad_api_key_and_unreachable_exit_nonzero(server, tmp_path, capsys):
         [
             sys.executable,
             "-m",
-            "load_tests.bench_serving",
+            "load_tests.serving.bench_serving",
             "--model",
             "m",
             "--base-url",

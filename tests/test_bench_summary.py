@@ -1,4 +1,4 @@
-"""The benchmark suite's arithmetic: bench_cold's windows, bench_all's one table from the stages' JSON files.
+"""The benchmark suite's arithmetic: bench_cold's windows, headline's one table from the stages' JSON files.
 
 bench_serving results come from the real tool run against the small OpenAI-shaped server of
 tests/test_bench_serving.py, so the table is checked against the schema the tool really writes.
@@ -11,8 +11,9 @@ import math
 
 import pytest
 
-from load_tests import bench_all, bench_cold, bench_serving
-from load_tests.bench_cold import Window, change_pct, load_times, window_stats
+from load_tests import headline
+from load_tests.serving import bench_cold, bench_serving
+from load_tests.serving.bench_cold import Window, change_pct, load_times, window_stats
 from tests.test_bench_serving import FakeOpenAI
 
 
@@ -129,7 +130,7 @@ def test_one_table_from_the_stages_json(server, tmp_path):
     (out / "vllm.json").write_text(json.dumps({"dtype": "float32", "cpus": "0-1", "venv": "/v"}))
     (out / "cold.json").write_text(json.dumps(_cold_result()))
 
-    rows = {name: (result, target) for name, result, target in bench_all.summary_rows(out)}
+    rows = {name: (result, target) for name, result, target in headline.summary_rows(out)}
     assert rows["engine vs HF generate, float32"][0] == "120.0 vs 80.0 tok/s = 1.50x"
     assert rows["P1 3 q,v r16 adapters / base"] == ("98.0 / 100.0 = 0.980", ">= 0.97")
     assert rows["P2 ours / HF+PEFT mixed batch"][0].endswith("= 3.92x")
@@ -150,17 +151,17 @@ def test_one_table_from_the_stages_json(server, tmp_path):
     assert rows["p99 TPOT while 10 cold loads run"][0].startswith("+25.0% vs the same burst warm")
     assert "vLLM CPU float32, cores 0-1, HTTP, tok/s" in rows
 
-    bench_all.print_summary(bench_all.summary_rows(out))
+    headline.print_summary(headline.summary_rows(out))
 
 
 def test_table_with_only_some_stages(tmp_path):
-    assert bench_all.summary_rows(tmp_path) == []
+    assert headline.summary_rows(tmp_path) == []
     (tmp_path / "cold.json").write_text(json.dumps(_cold_result()))
-    names = [r[0] for r in bench_all.summary_rows(tmp_path)]
+    names = [r[0] for r in headline.summary_rows(tmp_path)]
     assert names == ["P5 cold (S3) - warm TTFT, 6.9 MB adapter", "p99 TPOT while 10 cold loads run"]
 
 
 def test_unknown_stage_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
-        bench_all.main(["--only", "engine,warp"])
+        headline.main(["--only", "engine,warp"])
     assert e.value.code == 2 and "warp" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Workload W2's pure parts (load_tests/bench_w2.py): the request mix and the arguments for vLLM's client."""
+"""Workload W2's pure parts (load_tests/serving/bench_w2.py): the request mix and the arguments for vLLM's client."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from load_tests.bench_w2 import (
+from load_tests.serving.bench_w2 import (
     ALL7,
     MIXES,
     QV,
@@ -175,7 +175,7 @@ def test_p8_compares_at_the_highest_rate_vllm_sustains():
 
 
 def test_summary_rows_for_bench_all(tmp_path: Path):
-    from load_tests.bench_w2 import summary_rows
+    from load_tests.serving.bench_w2 import summary_rows
 
     assert summary_rows(tmp_path) == []
     runs = _runs(

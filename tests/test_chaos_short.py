@@ -1,4 +1,4 @@
-"""A short chaos run (load_tests/chaos.py) in the suite: a real Ray cluster with 2 replicas and 2 ingress replicas,
+"""A short chaos run (load_tests/chaos/chaos.py) in the suite: a real Ray cluster with 2 replicas and 2 ingress replicas,
 real Redis, moto's S3 server, a mixed load over 8 adapters, chains and merges, streaming and not, with client
 disconnects, while each fault is injected once: kill -9 of a replica worker, Redis killed and restarted, S3
 stopped and started, kill -9 of one ingress replica. Every 200 must be the single-request greedy reference
@@ -8,7 +8,7 @@ stopped and started, kill -9 of one ingress replica. Every 200 must be the singl
 The ingress kill: Serve's HTTP proxy runs IngressLossMiddleware (app/router/http/errors.py), so a request the
 killed ingress held and had not answered is sent again (the other ingress answers it; the answer carries
 x-loraland-ingress-retried), and a stream that had started ends with a 503 error event and [DONE]. The only
-clean errors that fault may cause are those (load_tests/chaos.md, "The ingress kill").
+clean errors that fault may cause are those (load_tests/chaos/chaos.md, "The ingress kill").
 
 The middleware's own cases (fake proxies, no Ray) run first and fast. The chaos run needs a loopback-only
 network namespace (Ray probes the network): skipped elsewhere."""
@@ -20,8 +20,8 @@ import json
 
 import pytest
 
-from load_tests.chaos import FAULTS, ChaosConfig, chaos_stack, run_chaos, table
-from load_tests.local_stack import LocalStack, in_offline_namespace
+from load_tests.chaos.chaos import FAULTS, ChaosConfig, chaos_stack, run_chaos, table
+from load_tests.harness.local_stack import LocalStack, in_offline_namespace
 
 ray_chaos = [pytest.mark.ray, pytest.mark.timeout(900)]
 # What each fault may answer besides 200s: clean errors by note prefix (status:code). Anything else is a bug.

@@ -40,7 +40,7 @@ def test_cluster_local_yaml_validates_with_ray_autoscaler_schema():
 def test_ray_up_serve_config_validates_and_builds(tmp_path, monkeypatch):
     from ray.serve.schema import ServeDeploySchema
 
-    from load_tests import ray_up_local
+    from load_tests.chaos import ray_up_local
 
     monkeypatch.setattr(ray_up_local, "RUN", tmp_path)
     config = yaml.safe_load(ray_up_local.serve_config(Path("/models/tiny")).read_text())

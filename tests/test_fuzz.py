@@ -1,6 +1,6 @@
 """Short fuzz runs (atheris) of the adapter reader and the `model` field parser, and one regression test per
-crash the fuzzers found (issue 16). The long runs are `python -m load_tests.fuzz_adapter --runs 1000000` and
-`python -m load_tests.fuzz_model_field --runs 1000000`.
+crash the fuzzers found (issue 16). The long runs are `python -m load_tests.chaos.fuzz_adapter --runs 1000000` and
+`python -m load_tests.chaos.fuzz_model_field --runs 1000000`.
 
 Each crash below is an adapter_config.json field of an unexpected JSON type that escapes as a TypeError or
 AttributeError instead of InvalidAdapter. Through POST /v1/adapters that is a 500 (or, for an adapter the CLI
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from load_tests import fuzz_adapter, fuzz_model_field, fuzz_runner
+from load_tests.chaos import fuzz_adapter, fuzz_model_field, fuzz_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def _summary(out: str) -> tuple[int, list[str]]:
 def test_short_adapter_fuzz_finds_no_new_crash(tmp_path):
     pytest.importorskip("atheris")
     known = still_crashing()
-    rc, out = _run("load_tests.fuzz_adapter", 1000, tmp_path)
+    rc, out = _run("load_tests.chaos.fuzz_adapter", 1000, tmp_path)
     executions, crashes = _summary(out)
     print(f"\nadapter fuzz: {executions} executions, crashes: {crashes or 'none'}")
     assert executions >= 1000
@@ -141,7 +141,7 @@ def test_short_adapter_fuzz_finds_no_new_crash(tmp_path):
 def test_short_model_field_fuzz_finds_no_new_crash(tmp_path):
     pytest.importorskip("atheris")
     known = still_crashing(fuzz_model_field, {k: model_input(v) for k, v in MODEL_CRASHES.items()})
-    rc, out = _run("load_tests.fuzz_model_field", 3000, tmp_path)
+    rc, out = _run("load_tests.chaos.fuzz_model_field", 3000, tmp_path)
     executions, crashes = _summary(out)
     print(f"\nmodel field fuzz: {executions} executions, crashes: {crashes or 'none'}")
     assert executions >= 3000

@@ -6,7 +6,7 @@ Order is the story: replicas on both workers answer; a new version and a removal
 replica of every node (pub/sub, and the TTL fallback when the event is lost); then a worker node dies under
 mixed-adapter load and no non-streaming request is lost or wrong, the dead replica leaves the placement within
 the heartbeat TTL, and its replacement warms the live hot adapters (and none of the removed ones) before it
-takes traffic. The long version with more requests: load_tests/node_loss.py."""
+takes traffic. The long version with more requests: load_tests/chaos/node_loss.py."""
 
 from __future__ import annotations
 

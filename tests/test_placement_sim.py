@@ -1,4 +1,4 @@
-"""The placement simulator (load_tests/placement_sim*.py) on a small cluster: its accounting holds, our policy
+"""The placement simulator (load_tests/placement/sim*.py) on a small cluster: its accounting holds, our policy
 really goes through app.router.routing.placement, and its candidate pruning changes no decision."""
 
 import json
@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from app.router.routing import placement
-from load_tests import placement_sim
-from load_tests.placement_sim import POLICIES, check_invariants, run_one
-from load_tests.placement_sim_core import HIT, JOINED, MISS, SimConfig, Simulation, Workload
-from load_tests.placement_sim_ours import OursPolicy, hot_pins
+from load_tests.placement import sim
+from load_tests.placement.sim import POLICIES, check_invariants, run_one
+from load_tests.placement.sim_core import HIT, JOINED, MISS, SimConfig, Simulation, Workload
+from load_tests.placement.sim_ours import OursPolicy, hot_pins
 
 # 20 replicas of 16 batch slots and 64 host slots for 2,000 adapters: caches are too small to hold every
 # adapter, so evictions, spills and retries all happen within a few thousand requests.
@@ -125,7 +125,7 @@ def test_hot_pins_spread_hot_adapters_and_never_evict_them(workload):
 
 
 def test_cli_quick_writes_json_and_table(tmp_path, capsys):
-    rc = placement_sim.main(
+    rc = sim.main(
         [
             "--replicas",
             "10",
@@ -148,11 +148,11 @@ def test_cli_quick_writes_json_and_table(tmp_path, capsys):
 
 
 def test_real_check_replays_one_stream_and_reads_cold_loads():
-    """load_tests/placement_real_check.py (the real 2-replica run is a benchmark, not a test): the stream it
+    """load_tests/placement/real_check.py (the real 2-replica run is a benchmark, not a test): the stream it
     replays does not change when the measured service time does, and it sums loads + reloads per replica."""
     import argparse
 
-    from load_tests.placement_real_check import cold_loads, stream_config
+    from load_tests.placement.real_check import cold_loads, stream_config
 
     a = argparse.Namespace(
         requests=300, adapters=40, alpha=1.0, rate=8.0, device_slots=4, host_slots=8, seed=0
