@@ -12,6 +12,7 @@ import uuid
 
 from app.catalog.redis_server import start_redis
 from app.catalog.store import Catalog
+from app.protocol import ReplicaStats
 from load_tests.harness.stats import percentile
 
 SHA = "ab" * 32
@@ -28,6 +29,12 @@ def entry(i: int) -> dict:
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         base_model={"architecture": "LlamaForCausalLM", "hidden_size": 2048, "num_layers": 22},
     )
+
+
+def heartbeat(cat: Catalog, rid: int, held: list[str]) -> None:
+    """One replica's heartbeat with `held` resident (the other fields fixed: only the set's size matters here)."""
+    stats = ReplicaStats(f"replica-{rid}", resident=tuple(held), free_slots=8, queue_len=2, kv_usage=0.4)
+    cat.heartbeat(stats, load=0.5, ttl_s=600)
 
 
 def timed(fn, args_list) -> list[float]:
@@ -64,8 +71,7 @@ def main() -> None:
         for rid in range(args.replicas):
             held = set(random.choices(names, cum_weights=cum, k=args.resident))
             resident[rid] = sorted(held)
-            cat.heartbeat(f"replica-{rid}", resident=sorted(held), free_slots=8, load=0.5, queue_len=2,
-                          kv_usage=0.4, ttl_s=600)  # fmt: skip
+            heartbeat(cat, rid, sorted(held))
         popular = random.choices(names, cum_weights=cum, k=args.samples)
         uniform = random.choices(names, k=args.samples)
         n_reg = max(1, args.samples // 2)
@@ -76,8 +82,7 @@ def main() -> None:
             if changed:  # a replica loads a few adapters and evicts as many
                 held = sorted(set(held[changed:]) | set(random.sample(swaps[rid], changed)))
                 resident[rid] = held
-            cat.heartbeat(f"replica-{rid}", resident=held, free_slots=8, load=0.5, queue_len=2, kv_usage=0.4,
-                          ttl_s=600)  # fmt: skip
+            heartbeat(cat, rid, held)
 
         results = {
             "placement(adapter), zipf adapters": timed(cat.placement, [(a,) for a in popular]),
