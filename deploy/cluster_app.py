@@ -1,7 +1,7 @@
 """The LoRA-Land Serve application on a LocalCluster (deploy/local_cluster.py): the ingress and Serve's HTTP
 proxy on the head (the ingress asks for the head-only custom resource), the replicas on the workers (they ask
 for the workers-only one), deployed from a driver in this process. `serve deploy` of a YAML config does the
-same with a `deployments:` section (load_tests/ray_up_local.py)."""
+same with a `deployments:` section (load_tests/chaos/ray_up_local.py)."""
 
 from __future__ import annotations
 

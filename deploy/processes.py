@@ -1,6 +1,7 @@
 """Processes of a cluster on one machine: found by a path only that cluster uses (its temp dir) and ended by
 PID, never by name (`ray stop` ends every Ray process on the machine); the CPU priority of a starting node;
-Ray's cached auth settings in a driver process. Used by deploy/local_cluster.py and load_tests/ray_up_local.py."""
+Ray's cached auth settings in a driver process. Used by deploy/local_cluster.py and
+load_tests/chaos/ray_up_local.py."""
 
 from __future__ import annotations
 
