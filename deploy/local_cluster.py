@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="for `run`: the command after --")
     args = p.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if args.command == "stop-marked":  # one cluster's `ray stop` (load_tests/chaos/ray_up_local.py's `ray` shim)
+    if args.command == "stop-marked":  # `ray stop` of one cluster: load_tests/chaos/ray_up_local.py's shim
         if not args.marker or len(args.marker) < 12 or not args.marker.startswith("/tmp/"):
             p.error("stop-marked: --marker must be a cluster's own temp dir under /tmp")
         pids = pids_with_marker(args.marker)
