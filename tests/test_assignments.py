@@ -54,7 +54,9 @@ def test_stats_newer_than_an_assignment_override_it():
     from app.router.routing.assignments import STATS_LAG_S, dropped_since
 
     t = 1000.0
-    assert not dropped_since(ReplicaStats("r1", at=t + 0.5), "a@1", t)  # too soon: the load may not have begun
+    assert not dropped_since(
+        ReplicaStats("r1", at=t + 0.5), "a@1", t
+    )  # too soon: the load may not have begun
     assert not dropped_since(ReplicaStats("r1"), "a@1", t)  # no report yet: trust the memory
     late = t + STATS_LAG_S + 0.1
     assert dropped_since(ReplicaStats("r1", at=late, resident=("b@1",)), "a@1", t)

@@ -11,12 +11,12 @@ import uuid
 import pytest
 import redis
 
-from app.protocol import ReplicaStats
 from app.catalog.redis_server import free_port, start_redis
 from app.catalog.store import Catalog, hash_api_key
 from app.errors import CatalogUnavailable, InvalidRequest, UnknownAdapter
 from app.files import safe_relpath
 from app.names import check_name, parse_ref
+from app.protocol import ReplicaStats
 from tests.fixtures.services import redis_server  # noqa: F401  (until conftest registers the plugin)
 
 SHA = "ab" * 32

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from app.protocol import ReplicaStats
 from app.catalog.redis_server import free_port
 from app.catalog.sources import AdapterHub, hash_folder
 from app.catalog.store import Catalog
 from app.config.settings import Settings
+from app.protocol import ReplicaStats
 from tests.fixtures.services import (  # noqa: F401  (fixtures, until conftest registers the plugin)
     aws_env,
     make_bucket,
@@ -191,7 +191,9 @@ def test_push_list_show_version_pin_rm_and_tenants(cli, env, bucket, tmp_path, m
     new_key = cli.json("tenants", "rotate-key", "acme")["api_key"]
     with Catalog(env["LORALAND_REDIS_URL"]) as cat:
         assert cat.tenant_for_key(new_key) == "acme" and cat.tenant_for_key(key) is None
-        cat.heartbeat(ReplicaStats("replica-0", resident=("acme/sql@2",), free_slots=3, kv_usage=0.5), load=0.25)
+        cat.heartbeat(
+            ReplicaStats("replica-0", resident=("acme/sql@2",), free_slots=3, kv_usage=0.5), load=0.25
+        )
     placement = cli.json("placement")
     assert placement["adapters"] == {"acme/sql@2": ["replica-0"]}
     assert placement["replicas"]["replica-0"]["free_slots"] == 3

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.protocol import ReplicaStats
 from app.catalog.redis_server import start_redis
 from app.config.app_config import AppConfig, coerce_args
+from app.protocol import ReplicaStats
 from tests.fixtures.cluster import cli
 from tests.fixtures.tiny_adapter import write_tiny_adapter
 

@@ -17,8 +17,8 @@ from app.replica.lora.dora import BaseWeights, dora_scales, with_dora_scales
 from app.replica.lora.manager import AdapterManager
 from app.replica.lora.merge import merge_adapters
 from app.replica.lora.peft_format import adapter_summary, read_adapter
-from app.sampling_params import SamplingParams
 from app.replica.sequence import Sequence
+from app.sampling_params import SamplingParams
 from tests.fixtures.adapters import SPECS_BY_NAME, make_peft_adapter, peft_model_with
 from tests.fixtures.dora_adapters import DORA_SPECS, make_dora_set, peft_greedy_per_adapter
 

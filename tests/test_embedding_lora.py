@@ -22,8 +22,8 @@ from app.replica.lora.manager import AdapterManager
 from app.replica.lora.merge import merge_adapters
 from app.replica.lora.peft_format import adapter_summary, read_adapter
 from app.replica.lora.vocab import with_vocab_copies
-from app.sampling_params import SamplingParams
 from app.replica.sequence import Sequence
+from app.sampling_params import SamplingParams
 from tests.fixtures.adapters import SPECS_BY_NAME, make_peft_adapter
 from tests.fixtures.vocab_adapters import VOCAB_SPECS, make_vocab_set, peft_single_requests
 

@@ -12,9 +12,9 @@ from app.config.model_config import ModelConfig
 from app.errors import AdapterUnavailable, InternalError, InvalidRequest
 from app.replica.engine import Engine
 from app.replica.engine_config import EngineConfig
-from app.replica.output_state import Delta
 from app.replica.lora.null import NullAdapters
 from app.replica.model import Model
+from app.replica.output_state import Delta
 from app.sampling_params import SamplingParams
 from loraland import LLMKernel
 from tests.hf_oracle import hf_greedy, load_hf

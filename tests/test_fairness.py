@@ -23,9 +23,9 @@ from app.config.kernel_config import KernelConfig
 from app.errors import InvalidRequest
 from app.replica.fairness import W_OUTPUT, W_PROMPT, VirtualTokenCounter, make_policy
 from app.replica.kv_cache import BlockAllocator
-from app.sampling_params import SamplingParams
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
+from app.sampling_params import SamplingParams
 from tests.fixtures.fake_kernel import FakeKernel
 from tests.fixtures.services import redis_server  # noqa: F401
 
@@ -514,14 +514,15 @@ def test_tenant_travels_from_the_caller_to_the_kernel(monkeypatch):
     from app.config.app_config import AppConfig
     from app.protocol import ReplicaRequest
     from app.replica.core import ReplicaCore
-    from app.router.http import openai_schema as oa
+    from app.router.http import openai_requests as bodies
+    from app.router.http import openai_validation as checks
     from app.router.http.auth import Caller
     from app.router.service import CatalogProxy, IngressService
 
     monkeypatch.delenv("LORALAND_REDIS_URL", raising=False)
     cfg = AppConfig(model="m", redis_url=None)
     service = IngressService(cfg, None, CatalogProxy(None))
-    req = oa.validate(oa.CompletionRequest, {"model": "m", "prompt": "hi", "n": 2, "max_tokens": 1})
+    req = checks.validate(bodies.CompletionRequest, {"model": "m", "prompt": "hi", "n": 2, "max_tokens": 1})
     spec, records = asyncio.run(service.resolve("m", Caller(tenant="alpha")))
     built = service.request(req, spec, records, False, "rid", Caller(tenant="alpha"))
     assert pickle.loads(pickle.dumps(built)).tenant == "alpha"  # it crosses Ray

@@ -183,7 +183,9 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circles():
-    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checker works
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c"]
+    ]  # the checker works
     assert not _circles(_graph()), "import circles (lazy and TYPE_CHECKING imports count):\n" + "\n".join(
         " <-> ".join(c) for c in _circles(_graph())
     )

@@ -11,8 +11,8 @@ from app.errors import InvalidAdapter
 from app.replica.lora.manager import AdapterManager
 from app.replica.lora.merge import merge_adapters
 from app.replica.lora.weights import LoraWeights
-from app.sampling_params import SamplingParams
 from app.replica.sequence import Sequence
+from app.sampling_params import SamplingParams
 
 CFG = ModelConfig.from_dict(
     {

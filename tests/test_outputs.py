@@ -10,8 +10,8 @@ import random
 import pytest
 
 from app.replica.outputs import Delta, OutputProcessor
-from app.sampling_params import SamplingParams
 from app.replica.sequence import Sequence
+from app.sampling_params import SamplingParams
 from tests.fixtures.models import build_tokenizer
 
 EOS = 1

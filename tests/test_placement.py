@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.router.routing.placement import PlacementPolicy, ReplicaView, rank_replicas, view_from_stats
 from app.names import parse_model
 from app.protocol import ReplicaRequest, ReplicaStats
+from app.router.routing.placement import PlacementPolicy, ReplicaView, rank_replicas, view_from_stats
 from app.router.routing.request_router import adapters_needed
 
 

@@ -15,7 +15,6 @@ import uuid
 import httpx
 import pytest
 
-from app.sampling_params import SamplingParams
 from app.catalog.quotas import Quota
 from app.catalog.redis_server import start_redis
 from app.catalog.store import Catalog
@@ -27,6 +26,7 @@ from app.router.http.auth import Authenticator
 from app.router.http.ingress import build_api
 from app.router.http.quotas import QuotaLimiter
 from app.router.service import CatalogProxy, IngressService
+from app.sampling_params import SamplingParams
 from tests.fixtures.services import redis_server  # noqa: F401
 from tests.fixtures.tiny_adapter import write_tiny_adapter
 

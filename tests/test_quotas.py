@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-
 from types import SimpleNamespace
 
 import pytest
 
-from app.sampling_params import SamplingParams
 from app.catalog.quotas import Quota
 from app.catalog.store import Catalog
 from app.cli import main as cli_main
@@ -21,6 +19,7 @@ from app.errors import InvalidRequest, UnknownAdapter
 from app.protocol import ReplicaRequest
 from app.router.http.quota_fallback import LocalBuckets
 from app.router.http.quotas import reserve_tokens, scopes_of
+from app.sampling_params import SamplingParams
 from tests.fixtures.services import redis_server  # noqa: F401
 
 T = "tenant:acme"

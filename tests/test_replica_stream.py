@@ -14,8 +14,8 @@ from app.errors import AdapterUnavailable
 from app.protocol import ChoiceDelta, DeltaBatch, Failure, ReplicaHello, ReplicaRequest
 from app.replica.core import ReplicaCore
 from app.replica.deployment import reply_items
-from app.replica.output_state import Delta
 from app.replica.fan_in import PreparedPrompt, fan_in
+from app.replica.output_state import Delta
 from tests.fixtures.fake_kernel import FakeKernel
 
 

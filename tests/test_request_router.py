@@ -94,7 +94,9 @@ def test_views_are_built_once_per_stats_object(monkeypatch):
     for _ in range(10):
         choose(router, "x3@1")
     assert len(built) == 5  # once per replica, not per request
-    reps[1].routing_stats = stats("r1", resident=["y@1"], free_slots=0)  # new stats: rebuilt for that one only
+    reps[1].routing_stats = stats(
+        "r1", resident=["y@1"], free_slots=0
+    )  # new stats: rebuilt for that one only
     assert choose(router, "y@1")[0] == ["r1"]
     assert len(built) == 6
     # a new in-flight count updates the view (the router's own count is what balances load)

@@ -6,9 +6,9 @@ import pytest
 
 from app.replica.fairness import make_policy
 from app.replica.kv_cache import BlockAllocator
-from app.sampling_params import SamplingParams
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence, Status
+from app.sampling_params import SamplingParams
 
 
 def seq(i, n_prompt, max_tokens=4, adapter=None):

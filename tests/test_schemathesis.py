@@ -9,7 +9,7 @@ parameters and methods there; the bodies are covered by HOSTILE below. Each case
 credentials, with a bad key, with a tenant key and with the admin token.
 
 Defects this file found, now fixed (their cases stay): deeply nested JSON was a 500 (RecursionError in
-openai_schema.parse_body); a lone surrogate ("\\ud800") was a 500 (quotas' byte count); `"model": "pub@0"` was a
+openai_requests.parse_body); a lone surrogate ("\\ud800") was a 500 (quotas' byte count); `"model": "pub@0"` was a
 503 (names.parse_model accepted version 0); unknown paths and methods answered FastAPI's {"detail": ...}; the
 quota routes' GET and PUT shared one operationId.
 """

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from app.errors import InvalidRequest
-from app.router.http.openai_schema import format_key
+from app.router.http.openai_sampling import format_key
 from loraland import LLMKernel
 from tests.fixtures.adapters import SPECS_BY_NAME, make_adapter_set
 from tests.fixtures.services import redis_server  # noqa: F401

@@ -63,7 +63,10 @@ def post(stack, body: dict):
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
         ({"logit_bias": {"999999": 1}}, "logit_bias"),  # needs the model's vocabulary: the replica checks it
         ({"prompt": [999999]}, None),  # a token id outside the vocabulary
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}}, None),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
+            None,
+        ),
     ],
 )
 def test_a_bad_parameter_for_a_cold_adapter_is_a_400_without_any_fetch(stack, loads, extra, param):

@@ -12,8 +12,8 @@ from typing import Any
 
 import redis
 
-from app.catalog.conn import CatalogConnection, guard
 from app.adapter_record import AdapterRecord
+from app.catalog.conn import CatalogConnection, guard
 from app.catalog.records import record_body
 from app.errors import InvalidRequest, UnknownAdapter
 from app.names import check_name, parse_ref

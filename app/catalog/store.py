@@ -13,9 +13,9 @@ from typing import Any
 
 import redis
 
+from app.adapter_record import AdapterRecord
 from app.catalog.conn import guard, redact_url
 from app.catalog.quotas import QuotaStore
-from app.adapter_record import AdapterRecord
 from app.catalog.records import ReplicaInfo
 from app.catalog.registry import AdapterRegistry
 from app.catalog.replicas import ReplicaDirectory

@@ -2,7 +2,7 @@
 
 Semantics: a request's `SamplingParams.response_format` is None (free text), "json_object" (any JSON object), or
 a JSON schema as canonical JSON text (sorted keys, so equal schemas share one compiled grammar: the ingress's
-app/router/http/openai_schema.format_key makes it from OpenAI's field). `Grammars`
+app/router/http/openai_sampling.format_key makes it from OpenAI's field). `Grammars`
 compiles it once per key against the model's tokenizer (at admission, on a worker thread: never on the step
 loop) and caches it. Each sequence holds a `GrammarState` (a matcher over that grammar) in its SamplerState;
 `mask_rows` sets the logits of every token the grammar forbids next to -inf, for the grammar rows only, after

@@ -16,7 +16,9 @@ from app.config.app_config import AppConfig
 from app.errors import CatalogUnavailable, InvalidRequest, UnknownAdapter
 from app.names import ModelSpec, parse_model, resolved
 from app.protocol import ChoiceDelta, ReplicaRequest
-from app.router.http import openai_schema as oa
+from app.router.http import openai_requests as bodies
+from app.router.http import openai_responses as resp
+from app.router.http import openai_sampling as samp
 from app.router.http.auth import Caller
 from app.router.routing.replica_client import Backend, ReplicaStream, call
 from app.sampling_params import SamplingParams
@@ -82,7 +84,7 @@ class IngressService:
         try:
             spec = parse_model(model, self.cfg.base_ids)
         except InvalidRequest as e:
-            raise oa.clipped(e) from None
+            raise bodies.clipped(e) from None
         records, versions = [], {}
         for term in spec.terms():
             record = await self._record(term.ref)
@@ -91,7 +93,7 @@ class IngressService:
             ):
                 # Same answer for "missing" and "someone else's": a tenant learns nothing about others.
                 err = UnknownAdapter(
-                    f"model: the adapter {oa.clip(term.ref)!r} does not exist or you do not have access to it "
+                    f"model: the adapter {bodies.clip(term.ref)!r} does not exist or you do not have access to it "
                     "(GET /v1/models lists what you can use)"
                 )
                 err.param = "model"
@@ -114,10 +116,10 @@ class IngressService:
         sampling built and validated here, once (a bad value is a 400 before any replica is asked); the
         caller's tenant goes along for the replica's fair admission. 400 when prompts x n exceeds the
         per-request cap (AppConfig.max_sequences_per_request): one request must not fill every tenant's queue."""
-        prompts = () if chat else tuple(p if isinstance(p, str) else tuple(p) for p in oa.prompts_of(req))
+        prompts = () if chat else tuple(p if isinstance(p, str) else tuple(p) for p in bodies.prompts_of(req))
         cap = self.cfg.max_sequences_per_request
         if max(1, len(prompts)) * req.n > cap:
-            raise oa.invalid(
+            raise bodies.invalid(
                 "prompt",
                 f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} sequences, over this server's cap "
                 f"of {cap} per request (max_sequences_per_request): split the request",
@@ -127,8 +129,8 @@ class IngressService:
             spec=spec,
             records=tuple(records),
             prompts=prompts,
-            messages=tuple(oa.messages_of(req)) if chat else None,
-            sampling=SamplingParams.from_kwargs(**oa.sampling_of(req)),
+            messages=tuple(bodies.messages_of(req)) if chat else None,
+            sampling=SamplingParams.from_kwargs(**samp.sampling_of(req)),
             n=req.n,
             tenant=caller.tenant if caller is not None else None,
             echo=bool(getattr(req, "echo", False)) and not chat,
@@ -142,7 +144,7 @@ class IngressService:
     def usage_of(choices: dict[int, ChoiceDelta], n: int) -> dict:
         # Every sample of a prompt reports the same prompt tokens: count them once per prompt.
         prompt = sum(c.prompt_tokens for i, c in choices.items() if i % n == 0)
-        return oa.usage(prompt, sum(c.completion_tokens for c in choices.values()))
+        return resp.usage(prompt, sum(c.completion_tokens for c in choices.values()))
 
     # ------------------------------------------------------------------ listings
     async def models(self, caller: Caller) -> dict:
@@ -189,19 +191,19 @@ class IngressService:
         """Admin: fetch + validate an adapter on a replica, then record it in the catalog."""
         name = body.get("name")
         if not isinstance(name, str) or not name:
-            raise oa.invalid("name", "required: the adapter's name, e.g. 'acme/sql-expert'")
+            raise bodies.invalid("name", "required: the adapter's name, e.g. 'acme/sql-expert'")
         source = body.get("source") or body.get("uri")
         if source is None and self.cfg.adapter_store:
             source = f"{self.cfg.adapter_store.rstrip('/')}/{name}"
         if not isinstance(source, str) or not source:
-            raise oa.invalid(
+            raise bodies.invalid(
                 "source", "required (s3://bucket/prefix, hf://org/repo, or a folder under the allowed roots)"
             )
         tenant, public = body.get("tenant"), body.get("public", False)
         if tenant is not None and not isinstance(tenant, str):
-            raise oa.invalid("tenant", "must be a tenant name or null")
+            raise bodies.invalid("tenant", "must be a tenant name or null")
         if not isinstance(public, bool):
-            raise oa.invalid("public", "must be true or false")
+            raise bodies.invalid("public", "must be true or false")
         from app.names import check_name
 
         check_name(name)

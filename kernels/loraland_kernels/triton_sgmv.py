@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraland_kernels.lora import Segments
+from loraland_kernels.segments import Segments
 
 
 @triton.jit

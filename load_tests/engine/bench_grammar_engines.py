@@ -79,7 +79,7 @@ GRAMMARS = {
 
 
 def canonical(obj) -> str:
-    """The ingress's canonical JSON (app/router/http/openai_schema.format_key): sorted keys, compact."""
+    """The ingress's canonical JSON (app/router/http/openai_sampling.format_key): sorted keys, compact."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 

@@ -23,7 +23,9 @@ from starlette.exceptions import HTTPException as FrameworkHTTPException
 from app.catalog.telemetry import start_process_metrics
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
-from app.router.http import openai_schema as oa
+from app.router.http import openai_requests as bodies
+from app.router.http import openai_responses as resp
+from app.router.http import openai_validation as checks
 from app.router.http.auth import Authenticator
 from app.router.http.body_limit import BodyLimit
 from app.router.http.errors import HTTPFailure, error_reply
@@ -82,19 +84,19 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     async def answer(request: Request, chat: bool, obs: RequestObserver) -> Response:
         caller = auth.caller_for(request)
         obs.caller(caller)
-        req = oa.validate(
-            oa.ChatRequest if chat else oa.CompletionRequest, oa.parse_body(await request.body())
+        req = checks.validate(
+            bodies.ChatRequest if chat else bodies.CompletionRequest, bodies.parse_body(await request.body())
         )
         spec, records = await service.resolve(req.model, caller)
         obs.resolved(spec)
-        rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        rid = resp.new_id("chatcmpl" if chat else "cmpl")
         stream = service.stream(service.request(req, spec, records, chat, rid, caller))
         stream = await quotas.admit(stream)  # 429 over a tenant's or adapter's quota
         if req.stream:
             return await _stream(service, req, stream, rid, chat, obs)
         choices = await stream.collect()
         obs.finish(200, stream, req.n)
-        body = oa.completion_response(
+        body = resp.completion_response(
             rid, req.model, [choices[i] for i in sorted(choices)], service.usage_of(choices, req.n), chat
         )
         return JSONResponse(body, headers={REPLICA_HEADER: stream.replica or ""})
@@ -136,7 +138,7 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     @guarded
     async def add_adapter(request: Request) -> Response:
         auth.admin_for(request)
-        return JSONResponse(await service.register(oa.parse_body(await request.body())), status_code=201)
+        return JSONResponse(await service.register(bodies.parse_body(await request.body())), status_code=201)
 
     @api.get("/v1/adapters")
     @guarded
@@ -195,32 +197,34 @@ async def _stream(
         try:
             while item is not None:
                 idx = item.index
-                reason = oa.finish_reason(item.finish_reason)
-                text, entries = oa.chunk_of(item, chat)  # echo's prompt comes first in a completion
+                reason = resp.finish_reason(item.finish_reason)
+                text, entries = resp.chunk_of(item, chat)  # echo's prompt comes first in a completion
                 if text or reason is not None or idx not in started or entries:
-                    logprobs = oa.choice_logprobs(entries, chat, offsets.get(idx, 0))
+                    logprobs = resp.choice_logprobs(entries, chat, offsets.get(idx, 0))
                     if entries:
                         offsets[idx] = offsets.get(idx, 0) + sum(len(e.token) for e in entries)
-                    chunk = oa.stream_chunk(
+                    chunk = resp.stream_chunk(
                         rid, req.model, idx, text, reason, chat, idx not in started, logprobs
                     )
-                    yield oa.sse(chunk)
+                    yield resp.sse(chunk)
                     started.add(idx)
                 item = await stream.next()
             done = True
             obs.finish(200, stream, req.n)
             if include_usage:
-                yield oa.sse(oa.usage_chunk(rid, req.model, service.usage_of(stream.choices, req.n), chat))
+                yield resp.sse(
+                    resp.usage_chunk(rid, req.model, service.usage_of(stream.choices, req.n), chat)
+                )
         except Exception as e:
             # Headers are gone: the error travels as an event the openai client raises as APIError.
             reply = error_reply(e)
             obs.finish(reply.status, stream, req.n, error=e)
-            yield oa.sse({**reply.body, "status": reply.status})
+            yield resp.sse({**reply.body, "status": reply.status})
         finally:
             if not done:
                 stream.cancel()
                 obs.finish("cancelled", stream, req.n)  # the client went away (a no-op after an error)
-        yield oa.SSE_DONE
+        yield resp.SSE_DONE
 
     return StreamingResponse(
         events(),

@@ -39,7 +39,7 @@ from app.catalog.quotas import Admission, Quota, describe_scope
 from app.errors import CatalogUnavailable, InvalidRequest, QuotaExceeded
 from app.protocol import ReplicaRequest
 from app.router.http.errors import error_reply
-from app.router.http.openai_schema import parse_body
+from app.router.http.openai_requests import parse_body
 from app.router.http.quota_fallback import LocalBuckets
 
 log = logging.getLogger("loraland.quotas")

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from app.errors import LoraLandError
 from app.protocol import TokenizeCall, TokenizeReply
-from app.router.http import openai_schema as oa
+from app.router.http import openai_requests as bodies
 from app.router.http.errors import error_reply
 from app.router.routing.replica_client import call as replica_call
 
@@ -23,9 +23,9 @@ from app.router.routing.replica_client import call as replica_call
 class TokenizeBody(BaseModel):
     model_config = ConfigDict(extra="allow")  # as vLLM: extras are ignored
 
-    model: str = Field(max_length=oa.MAX_MODEL_CHARS)
+    model: str = Field(max_length=bodies.MAX_MODEL_CHARS)
     prompt: str | None = None
-    messages: list[oa.ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[bodies.ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool | None = None  # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: StrictBool = True
 
@@ -33,15 +33,15 @@ class TokenizeBody(BaseModel):
 class DetokenizeBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(max_length=oa.MAX_MODEL_CHARS)
+    model: str = Field(max_length=bodies.MAX_MODEL_CHARS)
     tokens: list[StrictInt]
 
 
 def _call_of(body: TokenizeBody) -> TokenizeCall:
     if (body.prompt is None) == (body.messages is None):
-        raise oa.invalid("prompt", "give exactly one of prompt (a string) or messages (a chat)")
+        raise bodies.invalid("prompt", "give exactly one of prompt (a string) or messages (a chat)")
     if body.messages is not None:
-        messages = tuple(oa.messages_of(body))  # type: ignore[arg-type]  # only .messages is read
+        messages = tuple(bodies.messages_of(body))  # type: ignore[arg-type]  # only .messages is read
         special = False if body.add_special_tokens is None else body.add_special_tokens
         return TokenizeCall(
             messages=messages,
@@ -66,13 +66,13 @@ def add_tokenize_routes(api: FastAPI, auth: Any, service: Any) -> None:
     async def answer(request: Request, detokenize: bool) -> Response:
         try:
             caller = auth.caller_for(request)
-            data = oa.parse_body(await request.body())
+            data = bodies.parse_body(await request.body())
             if detokenize:
-                dbody = oa.validate_model(DetokenizeBody, data)
+                dbody = bodies.validate_model(DetokenizeBody, data)
                 await service.resolve(dbody.model, caller)
                 reply = await _ask(service, TokenizeCall(tokens=tuple(dbody.tokens)))
                 return JSONResponse({"prompt": reply.text})
-            tbody = oa.validate_model(TokenizeBody, data)
+            tbody = bodies.validate_model(TokenizeBody, data)
             await service.resolve(tbody.model, caller)
             reply = await _ask(service, _call_of(tbody))
             tokens = list(reply.tokens)

@@ -59,7 +59,9 @@ class AssignmentMemory:
             return []
         return list(w.items())
 
-    def confirmed(self, adapter: str, now: float, stats_of: Callable[[Hashable], ReplicaStats | None]) -> list:
+    def confirmed(
+        self, adapter: str, now: float, stats_of: Callable[[Hashable], ReplicaStats | None]
+    ) -> list:
         """Replicas `adapter` was sent to within ttl_s, oldest first, less those gone (`stats_of` gives None) and
         those whose newer stats show it dropped (forgotten here). The router and the simulator both call this.
         A live replica that has not reported yet has empty stats (at 0: nothing newer than the send)."""

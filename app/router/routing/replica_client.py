@@ -59,7 +59,9 @@ class ServeBackend:
 
     def stream(self, request: ReplicaRequest) -> AsyncIterator[ReplyItem]:
         # The model id rides as the multiplexed id for Serve's metrics and logs; the router reads request.spec.
-        return self.handle.options(stream=True, multiplexed_model_id=request.model_id).generate.remote(request)
+        return self.handle.options(stream=True, multiplexed_model_id=request.model_id).generate.remote(
+            request
+        )
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.handle, method).remote(*args)
@@ -68,7 +70,7 @@ class ServeBackend:
 class ReplicaStream:
     """One request's reply from a replica: `open()` for the first delta, `next()` until None, `cancel()` to
     stop early; or `collect()` for all of it. `choices` accumulates every delta read so far, per choice index
-    (their finish reasons are the kernel's: app/router/http/openai_schema.finish_reason shapes them for OpenAI)."""
+    (their finish reasons are the kernel's: app/router/http/openai_responses.finish_reason shapes them for OpenAI)."""
 
     def __init__(self, backend: Backend, request: ReplicaRequest, timeout_s: float):
         self.backend, self.request, self.timeout_s = backend, request, timeout_s

@@ -19,7 +19,10 @@ from app.errors import (
 from app.names import ModelSpec, Term, parse_model, resolved
 from app.protocol import ChoiceDelta, Failure
 from app.replica.chat import render_chat
-from app.router.http import openai_schema as oa
+from app.router.http import openai_requests as bodies
+from app.router.http import openai_responses as resp
+from app.router.http import openai_sampling as samp
+from app.router.http import openai_validation as checks
 from app.router.http.errors import HTTPFailure, error_reply, replica_failed
 
 BASE = frozenset({"tiny", "/models/tiny"})
@@ -168,25 +171,25 @@ def test_choice_deltas_merge_into_the_whole_choice():
     whole.merge(ChoiceDelta(0, " b", None, 3, 2))
     whole.merge(ChoiceDelta(0, " c", "length", 3, 3))
     assert whole == ChoiceDelta(0, "a b c", "length", 3, 3)
-    use = oa.completion_response("id", "m", [whole], oa.usage(3, 3), chat=False)
+    use = resp.completion_response("id", "m", [whole], resp.usage(3, 3), chat=False)
     assert use["choices"][0]["text"] == "a b c" and use["choices"][0]["finish_reason"] == "length"
 
 
 def test_sse_framing():
-    assert oa.sse({"a": 1}) == b'data: {"a":1}\n\n'
-    assert oa.SSE_DONE == b"data: [DONE]\n\n"
-    chunk = oa.stream_chunk("id1", "m", 0, "hé", None, chat=True, first=True)
+    assert resp.sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert resp.SSE_DONE == b"data: [DONE]\n\n"
+    chunk = resp.stream_chunk("id1", "m", 0, "hé", None, chat=True, first=True)
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {
         "role": "assistant",
         "content": "hé",
     }
-    assert json.loads(oa.sse(chunk)[6:]) == chunk  # non-ASCII text survives
-    assert oa.finish_reason("abort") == "stop" and oa.finish_reason("length") == "length"
+    assert json.loads(resp.sse(chunk)[6:]) == chunk  # non-ASCII text survives
+    assert resp.finish_reason("abort") == "stop" and resp.finish_reason("length") == "length"
 
 
 def test_sampling_and_prompts_are_shaped_for_the_kernel():
-    req = oa.validate(
-        oa.CompletionRequest,
+    req = checks.validate(
+        bodies.CompletionRequest,
         {
             "model": "m",
             "prompt": [[1, 2], [3]],
@@ -197,11 +200,13 @@ def test_sampling_and_prompts_are_shaped_for_the_kernel():
             "user": "u",
         },
     )
-    assert oa.sampling_of(req) == {"max_tokens": 4, "stop": "\n", "seed": 3}
-    assert oa.prompts_of(req) == [[1, 2], [3]]
-    assert oa.prompts_of(oa.validate(oa.CompletionRequest, {"model": "m", "prompt": [5, 6]})) == [[5, 6]]
-    chat = oa.validate(
-        oa.ChatRequest,
+    assert samp.sampling_of(req) == {"max_tokens": 4, "stop": "\n", "seed": 3}
+    assert bodies.prompts_of(req) == [[1, 2], [3]]
+    assert bodies.prompts_of(checks.validate(bodies.CompletionRequest, {"model": "m", "prompt": [5, 6]})) == [
+        [5, 6]
+    ]
+    chat = checks.validate(
+        bodies.ChatRequest,
         {
             "model": "m",
             "messages": [
@@ -212,8 +217,8 @@ def test_sampling_and_prompts_are_shaped_for_the_kernel():
             "top_k": 5,
         },
     )
-    assert oa.messages_of(chat) == [{"role": "user", "content": "hi x"}]
-    assert oa.sampling_of(chat) == {"max_tokens": 3, "top_k": 5, "ignore_eos": True}
+    assert bodies.messages_of(chat) == [{"role": "user", "content": "hi x"}]
+    assert samp.sampling_of(chat) == {"max_tokens": 3, "top_k": 5, "ignore_eos": True}
     assert render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
 
 
@@ -239,8 +244,8 @@ def test_sampling_and_prompts_are_shaped_for_the_kernel():
 )
 def test_chat_validation_names_the_field(body, param):
     with pytest.raises(InvalidRequest) as e:
-        req = oa.validate(oa.ChatRequest, body)
-        oa.messages_of(req)
+        req = checks.validate(bodies.ChatRequest, body)
+        bodies.messages_of(req)
     assert e.value.param == param
 
 
@@ -281,8 +286,8 @@ COMP = {"model": "m", "prompt": "x"}
 
 
 def test_sampling_features_reach_the_kernel():
-    req = oa.validate(
-        oa.CompletionRequest,
+    req = checks.validate(
+        bodies.CompletionRequest,
         {
             **COMP,
             "logprobs": 3,
@@ -295,7 +300,7 @@ def test_sampling_features_reach_the_kernel():
             "max_tokens": 5,
         },
     )
-    assert oa.sampling_of(req) == {
+    assert samp.sampling_of(req) == {
         "max_tokens": 5,
         "logprobs": 3,
         "presence_penalty": 0.5,
@@ -305,45 +310,56 @@ def test_sampling_features_reach_the_kernel():
         "logit_bias": {7: -100.0, 12: 2.5},
         "min_tokens": 2,
     }
-    assert oa.sampling_of(oa.validate(oa.CompletionRequest, {**COMP, "logprobs": 0}))["logprobs"] == 0
-    echo = oa.validate(oa.CompletionRequest, {**COMP, "echo": True, "logprobs": 2})
-    assert oa.sampling_of(echo) == {"logprobs": 2, "prompt_logprobs": 2}
-    assert oa.sampling_of(oa.validate(oa.CompletionRequest, {**COMP, "echo": True})) == {}
-    chat = oa.validate(oa.ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 4})
-    assert oa.sampling_of(chat) == {"logprobs": 4}
-    assert oa.sampling_of(oa.validate(oa.ChatRequest, {**CHAT, "logprobs": True})) == {"logprobs": 0}
-    assert "logprobs" not in oa.sampling_of(oa.validate(oa.ChatRequest, {**CHAT, "logprobs": False}))
+    assert (
+        samp.sampling_of(checks.validate(bodies.CompletionRequest, {**COMP, "logprobs": 0}))["logprobs"] == 0
+    )
+    echo = checks.validate(bodies.CompletionRequest, {**COMP, "echo": True, "logprobs": 2})
+    assert samp.sampling_of(echo) == {"logprobs": 2, "prompt_logprobs": 2}
+    assert samp.sampling_of(checks.validate(bodies.CompletionRequest, {**COMP, "echo": True})) == {}
+    chat = checks.validate(bodies.ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 4})
+    assert samp.sampling_of(chat) == {"logprobs": 4}
+    assert samp.sampling_of(checks.validate(bodies.ChatRequest, {**CHAT, "logprobs": True})) == {
+        "logprobs": 0
+    }
+    assert "logprobs" not in samp.sampling_of(
+        checks.validate(bodies.ChatRequest, {**CHAT, "logprobs": False})
+    )
 
 
 @pytest.mark.parametrize(
     "cls, body, param, words",
     [
-        (oa.CompletionRequest, {**COMP, "logprobs": 21}, "logprobs", "[0, 20]"),
-        (oa.CompletionRequest, {**COMP, "logprobs": -1}, "logprobs", "[0, 20]"),
-        (oa.CompletionRequest, {**COMP, "logprobs": True}, "logprobs", "got True"),
-        (oa.CompletionRequest, {**COMP, "logprobs": "5"}, "logprobs", "[0, 20]"),
-        (oa.ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
-        (oa.ChatRequest, {**CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
-        (oa.ChatRequest, {**CHAT, "logprobs": 3}, "logprobs", "boolean"),
-        (oa.CompletionRequest, {**COMP, "presence_penalty": 2.5}, "presence_penalty", "2"),
-        (oa.CompletionRequest, {**COMP, "frequency_penalty": -3}, "frequency_penalty", "-2"),
-        (oa.CompletionRequest, {**COMP, "presence_penalty": 1e308 * 10}, "presence_penalty", "2"),
-        (oa.CompletionRequest, {**COMP, "repetition_penalty": 0}, "repetition_penalty", "0"),
-        (oa.CompletionRequest, {**COMP, "min_p": 1.5}, "min_p", "1"),
-        (oa.CompletionRequest, {**COMP, "min_tokens": -1}, "min_tokens", "0"),
-        (oa.CompletionRequest, {**COMP, "min_tokens": 9, "max_tokens": 4}, "min_tokens", "max_tokens (4)"),
-        (oa.CompletionRequest, {**COMP, "logit_bias": {"x": 1}}, "logit_bias", "'x'"),
-        (oa.CompletionRequest, {**COMP, "logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
-        (oa.CompletionRequest, {**COMP, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
-        (oa.CompletionRequest, {**COMP, "logit_bias": {"5": "1"}}, "logit_bias", "[-100, 100]"),
-        (oa.CompletionRequest, {**COMP, "logit_bias": {"5": float("nan")}}, "logit_bias", "nan"),
-        (oa.CompletionRequest, {**COMP, "logit_bias": [1, 2]}, "logit_bias", "object"),
-        (oa.CompletionRequest, {**COMP, "suffix": "x"}, "suffix", "not supported"),
+        (bodies.CompletionRequest, {**COMP, "logprobs": 21}, "logprobs", "[0, 20]"),
+        (bodies.CompletionRequest, {**COMP, "logprobs": -1}, "logprobs", "[0, 20]"),
+        (bodies.CompletionRequest, {**COMP, "logprobs": True}, "logprobs", "got True"),
+        (bodies.CompletionRequest, {**COMP, "logprobs": "5"}, "logprobs", "[0, 20]"),
+        (bodies.ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+        (bodies.ChatRequest, {**CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+        (bodies.ChatRequest, {**CHAT, "logprobs": 3}, "logprobs", "boolean"),
+        (bodies.CompletionRequest, {**COMP, "presence_penalty": 2.5}, "presence_penalty", "2"),
+        (bodies.CompletionRequest, {**COMP, "frequency_penalty": -3}, "frequency_penalty", "-2"),
+        (bodies.CompletionRequest, {**COMP, "presence_penalty": 1e308 * 10}, "presence_penalty", "2"),
+        (bodies.CompletionRequest, {**COMP, "repetition_penalty": 0}, "repetition_penalty", "0"),
+        (bodies.CompletionRequest, {**COMP, "min_p": 1.5}, "min_p", "1"),
+        (bodies.CompletionRequest, {**COMP, "min_tokens": -1}, "min_tokens", "0"),
+        (
+            bodies.CompletionRequest,
+            {**COMP, "min_tokens": 9, "max_tokens": 4},
+            "min_tokens",
+            "max_tokens (4)",
+        ),
+        (bodies.CompletionRequest, {**COMP, "logit_bias": {"x": 1}}, "logit_bias", "'x'"),
+        (bodies.CompletionRequest, {**COMP, "logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
+        (bodies.CompletionRequest, {**COMP, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        (bodies.CompletionRequest, {**COMP, "logit_bias": {"5": "1"}}, "logit_bias", "[-100, 100]"),
+        (bodies.CompletionRequest, {**COMP, "logit_bias": {"5": float("nan")}}, "logit_bias", "nan"),
+        (bodies.CompletionRequest, {**COMP, "logit_bias": [1, 2]}, "logit_bias", "object"),
+        (bodies.CompletionRequest, {**COMP, "suffix": "x"}, "suffix", "not supported"),
     ],
 )
 def test_sampling_feature_refusals_name_the_field(cls, body, param, words):
     with pytest.raises(InvalidRequest) as e:
-        oa.validate(cls, body)
+        checks.validate(cls, body)
     assert e.value.param == param, str(e.value)
     assert words in str(e.value), str(e.value)
 
@@ -355,15 +371,15 @@ def test_logprobs_response_shapes():
         return TokenLogprob(ord(t[0]), t, lp, t.encode(), tuple(top))
 
     entries = [tl("He", -0.5, [tl("He", -0.5), tl("A", -1.5)]), tl("llo", -0.25, [tl("y", -0.1)])]
-    comp = oa.choice_logprobs(entries, chat=False)
+    comp = resp.choice_logprobs(entries, chat=False)
     assert comp == {
         "tokens": ["He", "llo"],
         "token_logprobs": [-0.5, -0.25],
         "top_logprobs": [{"He": -0.5, "A": -1.5}, {"y": -0.1, "llo": -0.25}],  # the sampled token too
         "text_offset": [0, 2],
     }
-    assert oa.choice_logprobs(entries[1:], chat=False, offset=2)["text_offset"] == [2]
-    chat = oa.choice_logprobs(entries, chat=True)
+    assert resp.choice_logprobs(entries[1:], chat=False, offset=2)["text_offset"] == [2]
+    chat = resp.choice_logprobs(entries, chat=True)
     assert chat["content"][0] == {
         "token": "He",
         "logprob": -0.5,
@@ -373,13 +389,13 @@ def test_logprobs_response_shapes():
             {"token": "A", "logprob": -1.5, "bytes": [65]},
         ],
     }
-    assert oa.choice_logprobs(None, chat=True) is None
+    assert resp.choice_logprobs(None, chat=True) is None
     one = ChoiceDelta(0, "He", logprobs=entries[:1])
     one.merge(ChoiceDelta(0, "llo", "stop", logprobs=entries[1:]))
-    body = oa.completion_response("id", "m", [one], oa.usage(1, 2), chat=False)
+    body = resp.completion_response("id", "m", [one], resp.usage(1, 2), chat=False)
     assert body["choices"][0]["logprobs"]["tokens"] == ["He", "llo"]
     assert (
-        oa.completion_response("id", "m", [ChoiceDelta(0, "x")], oa.usage(1, 1), chat=True)["choices"][0][
+        resp.completion_response("id", "m", [ChoiceDelta(0, "x")], resp.usage(1, 1), chat=True)["choices"][0][
             "logprobs"
         ]
         is None
@@ -389,7 +405,7 @@ def test_logprobs_response_shapes():
     echoed = ChoiceDelta(
         0, "He", "length", prompt_text="Hi you", prompt_logprobs=prompt, logprobs=entries[:1]
     )
-    choice = oa.completion_response("id", "m", [echoed], oa.usage(2, 1), chat=False)["choices"][0]
+    choice = resp.completion_response("id", "m", [echoed], resp.usage(2, 1), chat=False)["choices"][0]
     assert choice["text"] == "Hi youHe"
     assert choice["logprobs"] == {
         "tokens": ["Hi", " you", "He"],
