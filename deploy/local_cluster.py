@@ -34,7 +34,7 @@ from pathlib import Path
 
 from app.catalog.redis_server import free_port, start_redis
 from app.config.env_patch import EnvPatch
-from app.router.http.errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from app.router.http.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from deploy.processes import (
     boost_priority,
     end_pids,

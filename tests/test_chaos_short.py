@@ -5,7 +5,7 @@ stopped and started, kill -9 of one ingress replica. Every 200 must be the singl
 (wrong = 0), nothing may be lost (no answer, a hang, a 5xx without an OpenAI message, a stream cut without
 [DONE]), and every adapter must serve again within 30 s of each fault's end.
 
-The ingress kill: Serve's HTTP proxy runs IngressLossMiddleware (app/router/http/errors.py), so a request the
+The ingress kill: Serve's HTTP proxy runs IngressLossMiddleware (app/router/http/middleware.py), so a request the
 killed ingress held and had not answered is sent again (the other ingress answers it; the answer carries
 x-loraland-ingress-retried), and a stream that had started ends with a 503 error event and [DONE]. The only
 clean errors that fault may cause are those (load_tests/chaos/chaos.md, "The ingress kill").
@@ -78,7 +78,7 @@ def test_ingress_kill_answers_every_request_it_held(rows):
 
 
 def _through(app, method="POST", path="/v1/completions", body=b'{"model":"a"}', disconnect=False):
-    from app.router.http.errors import IngressLossMiddleware
+    from app.router.http.middleware import IngressLossMiddleware
 
     sent, pending = [], [{"type": "http.request", "body": body, "more_body": False}]
 

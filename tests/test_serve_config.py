@@ -236,7 +236,7 @@ def test_every_way_of_starting_ray_wraps_the_proxy(cluster_yaml, monkeypatch):
     import importlib
 
     from app.cli.serve import env_for_workers
-    from app.router.http.errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV, IngressLossMiddleware
+    from app.router.http.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV, IngressLossMiddleware
 
     monkeypatch.delenv(PROXY_CALLBACK_ENV, raising=False)
     cfg = AppConfig(model="m", redis_url="redis://127.0.0.1:1/0")

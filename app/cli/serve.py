@@ -17,7 +17,7 @@ from typing import Any
 
 from app.config.app_config import AppConfig
 from app.config.settings import Settings
-from app.router.http.errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from app.router.http.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 log = logging.getLogger("loraland.serve")
 

@@ -157,7 +157,7 @@ async def send(client: httpx.AsyncClient, stack: LocalStack, req: Req, timeout_s
 
 def _retried(r: httpx.Response) -> str:
     """'retried' when the proxy's IngressLossMiddleware sent the request a second time (its ingress died)."""
-    from app.router.http.errors import RETRIED_HEADER
+    from app.router.http.middleware import RETRIED_HEADER
 
     return "ingress retried it" if r.headers.get(RETRIED_HEADER.decode()) else ""
 

@@ -167,7 +167,7 @@ class LocalStack:
         from app.cli.serve import start_serve
         from app.config.app_config import AppConfig
         from app.main import build_app
-        from app.router.http.errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+        from app.router.http.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
         from loraland import LLMKernel
         from tests.fixtures.models import build_tiny_model
         from tests.fixtures.services import aws_env, make_bucket
