@@ -2,9 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: true = server-sent events), GET /v1/models;
 admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/placement, GET/PUT
-/v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/http/quotas.py); GET /metrics (the cluster's
-Prometheus metrics: app/router/http/metrics.py) and GET /status (the status page: app/router/http/status_page.py);
-GET /healthz; vLLM's POST /tokenize and /detokenize (app/router/http/tokenize_routes.py).
+/v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/http/quota_routes.py); GET /metrics (the
+cluster's Prometheus metrics: app/router/http/metrics.py) and GET /status (the status page:
+app/router/http/status_page.py); GET /healthz; vLLM's POST /tokenize and /detokenize
+(app/router/http/tokenize_routes.py).
 Every error is OpenAI-shaped, with its status chosen in app/router/http/errors.py.
 """
 
@@ -30,7 +31,8 @@ from app.router.http.auth import Authenticator
 from app.router.http.body_limit import BodyLimit
 from app.router.http.errors import HTTPFailure, error_reply
 from app.router.http.metrics import RequestObserver, add_metrics_route
-from app.router.http.quotas import QuotaLimiter, add_quota_routes
+from app.router.http.quota_routes import add_quota_routes
+from app.router.http.quotas import QuotaLimiter
 from app.router.http.status_page import add_status_routes
 from app.router.http.tokenize_routes import add_tokenize_routes
 from app.router.routing.replica_client import ReplicaStream, ServeBackend

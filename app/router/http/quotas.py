@@ -16,6 +16,8 @@ full every SNAPSHOT_REFRESH_S, and per scope on every admission), each limit div
 replicas (AppConfig.ingress_replicas), local buckets starting full at every outage; so the cluster as a whole
 keeps to about the quota, and never to none. An ingress that never read the quotas refuses requests that have a
 tenant or adapter with 503 rather than guess. Redis is tried again every REDIS_RETRY_S.
+
+The admin routes that read and set quotas are app/router/http/quota_routes.py.
 """
 
 from __future__ import annotations
@@ -32,14 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-
 from app.catalog.quotas import Admission, Quota, describe_scope
 from app.errors import CatalogUnavailable, InvalidRequest, QuotaExceeded
 from app.protocol import ReplicaRequest
-from app.router.http.errors import error_reply
-from app.router.http.openai_requests import parse_body
 from app.router.http.quota_fallback import LocalBuckets
 
 log = logging.getLogger("loraland.quotas")
@@ -286,41 +283,3 @@ class QuotaStream:
     def cancel(self) -> None:
         self._stream.cancel()
         self._finish_soon()
-
-
-# ---------------------------------------------------------------------- admin routes
-def add_quota_routes(api: FastAPI, auth: Any, catalog: Any) -> None:
-    """GET/PUT /v1/tenants/{name}/quota and /v1/adapters/{name}/quota (admin token). PUT replaces the quota
-    whole: {"concurrent", "requests_per_minute", "tokens_per_minute"}, each a positive integer, or null or
-    absent for unlimited. Added before the /v1/adapters/{name} routes, which would otherwise take the path."""
-
-    async def answer(request: Request, kind: str, name: str) -> Response:
-        try:
-            auth.admin_for(request)
-            cat = catalog.get()
-            if request.method == "PUT":
-                limits = Quota.from_dict(parse_body(await request.body()))
-                quota = await asyncio.to_thread(cat.set_quota, kind, name, limits)
-            else:
-                quota = await asyncio.to_thread(cat.get_quota, kind, name)
-            body = {"object": "quota", "scope": kind, "name": name, **(quota or Quota()).to_dict()}
-            return JSONResponse(body)
-        except Exception as e:
-            reply = error_reply(e)
-            return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
-
-    for kind, path in (("tenant", "/v1/tenants/{name}/quota"), ("adapter", "/v1/adapters/{name:path}/quota")):
-        for method in ("GET", "PUT"):
-            # One operation per method, each with its own operationId (OpenAPI requires them unique).
-            api.add_api_route(
-                path, _route(answer, kind), methods=[method], operation_id=f"{method.lower()}_{kind}_quota"
-            )
-
-
-def _route(answer: Any, kind: str) -> Any:
-    """The route function for one quota scope (its only parameters are the request and the path's name)."""
-
-    async def route(request: Request, name: str) -> Response:
-        return await answer(request, kind, name)
-
-    return route
