@@ -1,9 +1,9 @@
 """Quotas half of the catalog: per-tenant and per-adapter limits, and the shared token buckets enforcing them.
 
 A quota limits concurrent requests, requests per minute and tokens per minute; a missing quota (or limit) is
-unlimited. The buckets live in Redis and each admission is one Lua script (lua.QUOTA_ADMIT) over every bucket
-the request touches, on the Redis clock, so any number of ingress replicas share one limit exactly: all buckets
-pass and are charged, or none is. Per-minute buckets refill continuously (limit/60 per second) up to one
+unlimited. The buckets live in Redis and each admission is one Lua script (quota_lua.QUOTA_ADMIT) over every
+bucket the request touches, on the Redis clock, so any number of ingress replicas share one limit exactly: all
+buckets pass and are charged, or none is. Per-minute buckets refill continuously (limit/60 per second) up to one
 minute's worth. Concurrency is a set of leases with an expiry (renewed by the ingress holding them), so a
 crashed ingress's slots free themselves. The ingress side, incl. what happens while Redis is down, is
 app/router/http/quotas.py.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 import redis
 
-from app.catalog import lua
+from app.catalog import quota_lua
 from app.catalog.conn import CatalogConnection, guard
 from app.errors import InvalidRequest, UnknownAdapter
 from app.names import check_name, check_tenant
@@ -99,7 +99,7 @@ class QuotaStore(CatalogConnection):
         # Registered on first use (register_script only hashes the text; redis-py loads it on NOSCRIPT).
         script = self._scripts.get(name)
         if script is None:
-            script = self._scripts[name] = self._r.register_script(getattr(lua, name))
+            script = self._scripts[name] = self._r.register_script(getattr(quota_lua, name))
         return script
 
     def _bucket_keys(self, sids: list[str]) -> list[str]:
