@@ -12,7 +12,8 @@ from typing import Any
 from app.cli.serve import start_serve
 from app.config.app_config import AppConfig
 from app.config.env_patch import EnvPatch
-from deploy.local_cluster import INGRESS_RESOURCE, REPLICA_RESOURCE, LocalCluster
+from deploy.local_cluster import LocalCluster
+from deploy.nodes import INGRESS_RESOURCE, REPLICA_RESOURCE
 
 APP_NAME = "loraland"
 

@@ -11,16 +11,14 @@ Run everything that uses it inside a loopback-only network namespace (`unshare -
 What Ray 2.60 needs here, learned the hard way:
 - Token authentication is on: one token (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN) in the environment of every
   node and every client (`ray status`, `serve deploy`, a driver), or they are refused with InvalidAuthToken.
-- `--node-ip-address` on every node: otherwise Ray asks 8.8.8.8:53 which address is its own.
-- Every agent port given explicitly: with port 0 the raylet waits ~15 s for the dashboard agent to write its
-  port file and aborts the node when a loaded machine is slower than that.
+- `--node-ip-address` on every node, and every agent port given explicitly (deploy/nodes.py says why; the
+  nodes' specs and their `ray start` command live there, moto's S3 server in deploy/s3_server.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import secrets
 import shutil
@@ -29,12 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.catalog.redis_server import free_port, start_redis
 from app.config.env_patch import EnvPatch
 from app.router.http.middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from deploy.nodes import FAST_FAILURE_DETECTION, Node, NodeSpec, default_nodes, ray_start_command
 from deploy.processes import (
     boost_priority,
     end_pids,
@@ -43,47 +41,9 @@ from deploy.processes import (
     send_signal,
     set_autogroup_nice,
 )
+from deploy.s3_server import s3_env, start_s3
 
 REPO = Path(__file__).resolve().parents[1]
-RAY = Path(sys.executable).with_name("ray")
-INGRESS_RESOURCE = "loraland_ingress"  # only the head has it: the ingress deployment asks for it
-REPLICA_RESOURCE = "loraland_replica"  # only workers have it: replicas never land on the head
-# Node death is noticed by the GCS's health checks (defaults: 3 s period x 5 failures); a test wants it sooner.
-FAST_FAILURE_DETECTION = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
-}
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    name: str
-    ip: str
-    num_cpus: int
-    resources: dict[str, float] = field(default_factory=dict)
-
-
-def default_nodes(workers: int = 2, worker_cpus: int = 4) -> list[NodeSpec]:
-    """A head (the ingress resource, and no replica resource) and `workers` replica hosts. The head's CPUs are
-    scheduling tokens, but the raylet starts at most that many worker processes at once: with 1, Serve's
-    controller, proxy and ingress start one after the other and the proxy can miss Serve's 60 s deadline."""
-    head = NodeSpec("head", "127.0.0.1", 4, {INGRESS_RESOURCE: 1})
-    return [head] + [
-        NodeSpec(f"worker{i}", f"127.0.0.{i + 1}", worker_cpus, {REPLICA_RESOURCE: worker_cpus})
-        for i in range(1, workers + 1)
-    ]
-
-
-@dataclass
-class Node:
-    spec: NodeSpec
-    proc: subprocess.Popen
-    log: Path
-    cache_dir: Path
-    launched: float = 0.0  # time.monotonic() at `ray start`
-    log_offset: int = 0  # where this start's output begins (a restarted node appends to its log)
-    started_s: float = 0.0  # how long `ray start` took to report the node up
 
 
 class LocalCluster:
@@ -115,7 +75,7 @@ class LocalCluster:
         self.redis_url: str | None = None
         self.s3_endpoint: str | None = None
         self._stop_redis = None
-        self._s3: subprocess.Popen | None = None
+        self._stop_s3 = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> LocalCluster:
@@ -146,40 +106,10 @@ class LocalCluster:
         return self
 
     def _start_s3(self) -> None:
-        port = free_port()
-        log = open(self.root / "s3.log", "wb")  # noqa: SIM115 - the child holds it
-        self._s3 = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.s3_endpoint = f"http://127.0.0.1:{port}"
-        import httpx
-
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(self.s3_endpoint, timeout=2)
-                return
-            except httpx.HTTPError:
-                if self._s3.poll() is not None:
-                    break
-                time.sleep(0.2)
-        raise RuntimeError(f"moto S3 server did not start on {self.s3_endpoint}; see {self.root / 's3.log'}")
+        self.s3_endpoint, self._stop_s3 = start_s3(self.root / "s3.log")
 
     def aws_env(self) -> dict[str, str]:
-        if not self.s3_endpoint:
-            return {}
-        return {
-            "AWS_ENDPOINT_URL": self.s3_endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": "/nonexistent/aws-config",
-            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
+        return s3_env(self.s3_endpoint) if self.s3_endpoint else {}
 
     def client_env(self) -> dict[str, str]:
         """What any Ray client of this cluster needs in its environment (merge into os.environ)."""
@@ -239,21 +169,9 @@ class LocalCluster:
         ndir = self.root / spec.name
         cache_dir = ndir / "cache"
         cache_dir.mkdir(parents=True, exist_ok=True)
-        ports = [free_port() for _ in range(6)]
-        lo = 10002 + 1000 * index  # disjoint worker-port ranges: the nodes share one machine
-        cmd = [
-            str(RAY), "start", "--block", f"--node-ip-address={spec.ip}",
-            f"--num-cpus={spec.num_cpus}", "--num-gpus=0", f"--resources={json.dumps(spec.resources)}",
-            f"--temp-dir={ndir / 'ray'}", f"--object-store-memory={self.object_store_mb << 20}",
-            f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
-            f"--metrics-export-port={ports[2]}", f"--dashboard-agent-listen-port={ports[3]}",
-            f"--dashboard-agent-grpc-port={ports[4]}", f"--runtime-env-agent-port={ports[5]}",
-            f"--min-worker-port={lo}", f"--max-worker-port={lo + 999}", "--disable-usage-stats",
-        ]  # fmt: skip
-        if index == 0:
-            cmd += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false"]
-        else:
-            cmd += [f"--address={self.address}"]
+        cmd = ray_start_command(
+            spec, index, ndir, gcs_port=self.gcs_port, object_store_mb=self.object_store_mb
+        )
         log = ndir / "ray-start.log"
         offset = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as out:
@@ -327,12 +245,9 @@ class LocalCluster:
         """Workers first, then the head, then S3 and Redis; every node's temp dir goes too."""
         for name in reversed(list(self.nodes)):
             self.stop_node(name)
-        if self._s3 is not None and self._s3.poll() is None:
-            self._s3.terminate()
-            try:
-                self._s3.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._s3.kill()
+        if self._stop_s3 is not None:
+            self._stop_s3()
+            self._stop_s3 = None
         if self._stop_redis is not None:
             self._stop_redis()
             self._stop_redis = None

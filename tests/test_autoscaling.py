@@ -15,7 +15,8 @@ import pytest
 from app.catalog.redis_server import free_port
 from app.config.app_config import AppConfig
 from deploy.cluster_app import all_replicas, running_replicas, serve_on, shutdown, wait_for
-from deploy.local_cluster import LocalCluster, default_nodes
+from deploy.local_cluster import LocalCluster
+from deploy.nodes import default_nodes
 from tests.fixtures.cluster import PROMPTS, Reference, push, tenant_key, tiny_adapters
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -22,7 +22,8 @@ from app.catalog.redis_server import free_port
 from app.config.app_config import AppConfig
 from app.router.http.ingress import REPLICA_HEADER
 from deploy.cluster_app import running_replicas, serve_on, shutdown, wait_for
-from deploy.local_cluster import LocalCluster, default_nodes
+from deploy.local_cluster import LocalCluster
+from deploy.nodes import default_nodes
 from tests.fixtures.cluster import PROMPTS, Reference, mixed_load, push, tenant_key, tiny_adapters
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]

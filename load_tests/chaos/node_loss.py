@@ -16,7 +16,8 @@ from pathlib import Path
 from app.catalog.redis_server import free_port
 from app.config.app_config import AppConfig
 from deploy.cluster_app import running_replicas, serve_on, shutdown, wait_for
-from deploy.local_cluster import LocalCluster, default_nodes
+from deploy.local_cluster import LocalCluster
+from deploy.nodes import default_nodes
 from tests.fixtures.cluster import Reference, mixed_load, push, tenant_key, tiny_adapters
 
 OUT = Path(__file__).resolve().parent / "results" / "node_loss.json"

@@ -73,7 +73,7 @@ def run(cmd: list[str] | str, env: dict, log: Log, out: Path, timeout_s: float, 
 
 def prepare(token: str, services) -> dict[str, str]:
     """The run dir: ssh keys and sshd config, the sessions' HOME, the `ray` shim, cluster.env."""
-    from deploy.local_cluster import FAST_FAILURE_DETECTION
+    from deploy.nodes import FAST_FAILURE_DETECTION
 
     for d in ("ssh", "home", "bin", "nodes"):
         (RUN / d).mkdir(parents=True, exist_ok=True)
