@@ -13,7 +13,7 @@ from app.errors import AdapterUnavailable, InternalError, InvalidRequest
 from app.replica.engine import Engine
 from app.replica.engine_config import EngineConfig
 from app.replica.lora.null import NullAdapters
-from app.replica.model import Model
+from app.replica.models import Model
 from app.replica.output_state import Delta
 from app.sampling_params import SamplingParams
 from loraland import LLMKernel

@@ -19,7 +19,7 @@ from app.config.model_config import ModelConfig
 from app.errors import InternalError, InvalidAdapter, InvalidRequest, LoraLandError
 from app.replica.engine import Engine
 from app.replica.engine_config import EngineConfig
-from app.replica.model import Model
+from app.replica.models import Model
 from app.sampling_params import SamplingParams
 from loraland import LLMKernel
 from tests.fixtures.adapters import ALL_SEVEN

@@ -42,7 +42,7 @@ FORBIDDEN: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
             "app.replica.engine",
             "app.replica.outputs",
             "app.replica.batch_builder",
-            "app.replica.model",
+            "app.replica.models",
             "app.replica.kv_cache",
             "app.replica.scheduler",
             "app.replica.sequence",
@@ -201,7 +201,7 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     "module, banned",
     [
         ("app.replica.engine", ("app.catalog", "app.router", "ray")),
-        ("app.replica.model", ("app.catalog", "app.router", "ray")),
+        ("app.replica.models", ("app.catalog", "app.router", "ray")),
         ("loraland_kernels.lora", ("app",)),
         ("app.replica.core", ("app.router", "loraland")),
         ("app.router.http.ingress", ("app.replica", "loraland")),

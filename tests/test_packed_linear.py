@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from app.config.model_config import ModelConfig
 from app.replica import linear as lin
 from app.replica.linear import KERNELS, GemmTuner, PackedLinear, Plan, TunerConfig, choose
-from app.replica.model import ForwardBatch, Model, PrefillAttn
+from app.replica.models import ForwardBatch, Model, PrefillAttn
 from tests.fixtures.models import TINY_MODELS
 from tests.hf_oracle import hf_greedy, load_hf
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-# What `dtype` may be; app/replica/model.py's resolve_dtype maps each to a torch dtype ("auto": the model's
+# What `dtype` may be; app/replica/models/dtypes.py's resolve_dtype maps each to a torch dtype ("auto": the model's
 # dtype on CUDA, bf16 on CPUs with fast bf16, else fp32).
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 # Admission between tenants (app/replica/fairness.py): "vtc", the Virtual Token Counter (fair shares of weighted

@@ -1,4 +1,9 @@
-"""The base model's architecture, read from a Hugging Face config.json (Llama, Mistral, Qwen2 families)."""
+"""The base model's architecture, read from a Hugging Face config.json, in family-neutral fields.
+
+Which architectures are served and what each family's config means is in app/config/model_families.py; the
+forward of each family is in app/replica/models/. Everything here is plain Python (no torch): the CLI and the
+adapter checks read it too.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LORA_MODULES = ATTN_MODULES + MLP_MODULES
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
+    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,13 +31,23 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope_scaling: dict[str, Any] | None  # None: plain RoPE; else rope_type linear | llama3 | longrope
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v/o biases (Qwen2: q/k/v only, see qkv_bias / o_bias)
     eos_token_ids: tuple[int, ...] = ()
-    sliding_window: int | None = None
     torch_dtype: str | None = None
+    # Per decoder layer: its sliding window (None = global attention) and whether it uses the local RoPE base.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of sliding layers when it differs (Gemma 3)
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that is rotated (Phi-4-mini: 0.75)
+    qk_norm: bool = False  # RMSNorm over each q/k head before RoPE (Qwen3, Gemma 3)
+    norm_style: str = "llama"  # "gemma": weight applied as (1 + w), computed in fp32, then cast
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 3)
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,10 +56,25 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
 
     @property
-    def family(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+    def sliding_window(self) -> int | None:
+        """The widest window when every layer slides; None when any layer attends globally."""
+        ws = self.windows()
+        return None if any(w is None for w in ws) else max(ws, default=None)
+
+    def windows(self) -> tuple[int | None, ...]:
+        return self.layer_windows or (None,) * self.num_layers
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.family != "qwen2"
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable linear in one decoder layer."""
@@ -77,55 +104,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}: LoRA-Land serves "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        family = SUPPORTED_ARCHITECTURES[arch]
-        scaling = cfg.get("rope_scaling")
-        if scaling is None and isinstance(cfg.get("rope_parameters"), dict):
-            rp = cfg["rope_parameters"]
-            if rp.get("rope_type", "default") != "default":
-                scaling = rp
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "linear", "default"):
-                raise ValueError(
-                    f"unsupported rope_scaling type {kind!r}: supported are 'llama3' and 'linear'"
-                )
-            if kind == "default":
-                scaling = None
-        theta = cfg.get("rope_theta")
-        if theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            theta = cfg["rope_parameters"].get("rope_theta")
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta if theta is not None else 10000.0),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            eos_token_ids=eos_ids,
-            sliding_window=cfg.get("sliding_window")
-            if cfg.get("use_sliding_window", family == "mistral")
-            else None,
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            raw=cfg,
-        )
+        from app.config.model_families import read_config  # the families' readers build this class
+
+        return read_config(cls, cfg)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:

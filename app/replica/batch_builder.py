@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from app.replica.lora.null import AdapterHooks
-from app.replica.model import ForwardBatch, PrefillAttn
-from app.replica.scheduler import Batch, ScheduledSeq
+from app.replica.models import ForwardBatch, PrefillAttn
+from app.replica.batch import Batch, ScheduledSeq
 from app.replica.sequence import Sequence
 
 

@@ -27,7 +27,7 @@ from app.replica.kv_cache import BlockAllocator, KVCache
 from app.replica.logprobs import SampleLogprobs, prompt_logprobs
 from app.replica.lora.null import AdapterHooks, NullAdapters
 from app.replica.memory import keep_freed_memory
-from app.replica.model import Model
+from app.replica.models import Model
 from app.replica.outputs import Delta, OutputProcessor
 from app.replica.sampling import NonFiniteLogits, sample_with_logprobs
 from app.replica.scheduler import Scheduler, SchedulerConfig

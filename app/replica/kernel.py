@@ -29,7 +29,7 @@ from app.replica.grammar import Grammars
 from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
 from app.replica.memory import release_free_memory
-from app.replica.model import Model, resolve_dtype
+from app.replica.models import Model, resolve_dtype
 from app.replica.output_state import Delta
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
 from app.replica.results import Completion, KernelStats

@@ -1,8 +1,9 @@
 """Continuous (iteration-level) batching: admission, a token budget per step, chunked prefill, preemption.
 
-Pure Python over `Sequence` and `BlockAllocator`; the engine turns a `Batch` into tensors. Preemption is by
-recompute: the victim's blocks are freed and it re-enters the waiting queue at its arrival position, so
-no request is lost and its output is unchanged (its sampled tokens become part of what is recomputed).
+Pure Python over `Sequence` and `BlockAllocator`; each step's output is a `Batch` (app/replica/batch.py), which
+the engine turns into tensors. Preemption is by recompute: the victim's blocks are freed and it re-enters the
+waiting queue at its arrival position, so no request is lost and its output is unchanged (its sampled tokens
+become part of what is recomputed).
 Which waiting request is admitted next is the admission policy's call (app/replica/fairness.py): arrival order
 (FCFS), or between tenants by the Virtual Token Counter; running sequences are served oldest first either way.
 A policy with fair claims (VTC with preempt) may also make a waiting request jump ahead: it is admitted first in
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from app.replica.batch import Batch, ScheduledSeq
 from app.replica.fairness import AdmissionPolicy, FirstComeFirstServed
 from app.replica.kv_cache import BlockAllocator, block_hash
 from app.replica.sequence import Sequence, Status
@@ -31,32 +33,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_batch_size and max_num_batched_tokens must be >= 1")
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int  # tokens fed this step: all_ids[start : start + num_tokens]
-    start: int  # == seq.num_computed when scheduled
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class Batch:
-    items: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)  # for lack of KV blocks
-    # gave their slot to a claim of a tenant behind: held (kept running with their KV, not scheduled, until a slot
-    # frees) or, when the claim needed their KV blocks too, preempted by recompute (then also in num_preemptions)
-    displaced: list[Sequence] = field(default_factory=list)
-    sitting_out: frozenset = frozenset()  # tenants whose running sequences the policy held out of this step
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(it.num_tokens for it in self.items)
 
 
 def _always(_: Sequence) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from app.replica.linear import KERNELS, default_tuner
-from app.replica.model import MAX_ROWS, MAX_SAMPLED_ROWS
+from app.replica.models import MAX_ROWS, MAX_SAMPLED_ROWS
 
 HIDDEN, INTER, HEADS, KV_HEADS, D, VOCAB = 2048, 5632, 32, 4, 64, 32000
 SHAPES = {  # name -> (out, in)

@@ -26,7 +26,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from app.config.model_config import ATTN_MODULES, LORA_MODULES, SUPPORTED_ARCHITECTURES
+from app.config.model_config import ATTN_MODULES, LORA_MODULES
+from app.config.model_families import SUPPORTED_ARCHITECTURES
 from app.replica.lora import peft_config as C
 from app.replica.lora.peft_config import WEIGHTS_FILE, refuse
 from app.replica.lora.peft_format import _parse_keys

@@ -1,0 +1,80 @@
+"""Attention over the paged KV cache for one layer: decode rows read their block tables, prefill chunks their
+blocks; a sliding window (per layer) and a softmax scale (per family) are honoured in both."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from app.replica.models.batch import ForwardBatch
+
+
+def stale_slots(b: ForwardBatch, block_size: int) -> torch.Tensor | None:
+    """Cache slots (block * block_size + offset) past each decode row's length in its own last block. They are
+    stale: a reused block's previous owner left them, maybe inf/NaN (a prefill aborted midway). Decode attention
+    reads them (and the padding, which repeats the row's first block) under a mask of weight 0, but 0 * NaN is
+    NaN, so the forward zeroes them before attention. No one else writes there: the slots are the row's own,
+    and its next tokens overwrite them."""
+    lens = b.decode_ctx_lens
+    used = lens % block_size  # 0: the last block is full
+    last = b.decode_block_tables.gather(1, ((lens - 1) // block_size)[:, None])
+    off = torch.arange(block_size, device=lens.device)[None, :]
+    slots = (last * block_size + off)[(off >= used[:, None]) & (used[:, None] > 0)]
+    return slots if slots.numel() else None
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: ForwardBatch,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    window: int | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """q [T, H, d], k/v [T, Hkv, d] of this step (already in the cache too) -> [T, H * d]. A key at position j
+    is seen by a query at i when j <= i and, with a window w, j > i - w (transformers' sliding mask). SDPA gets
+    4-D inputs: 3-D ones with enable_gqa fall back to the unfused math path on CPU (~10x slower)."""
+    T, H, d = q.shape
+    Hkv = k.shape[1]
+    out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
+    if b.decode_idx is not None:
+        bt = b.decode_block_tables
+        nb, bs = bt.shape[1], kc.shape[1]
+        keys = kc[bt].view(bt.shape[0], nb * bs, Hkv, d)  # gathered: a copy
+        vals = vc[bt].view(bt.shape[0], nb * bs, Hkv, d)
+        pos = torch.arange(nb * bs, device=q.device)[None, :]
+        lens = b.decode_ctx_lens[:, None]
+        mask = pos < lens
+        keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)
+        if window is not None:
+            mask &= pos >= lens - window
+        # A query head's group of heads sharing one KV head as that KV head's query rows ([Bd, Hkv, group, d]):
+        # the same attention as enable_gqa with one query row, but CPU SDPA's flash kernel runs it 6-7x faster
+        # in bf16 (1.3-1.7x in fp32) with the same error (load_tests/engine/bench_attention.py).
+        qd = q.index_select(0, b.decode_idx).view(bt.shape[0], Hkv, -1, d)
+        o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask[:, None, None, :], scale=scale)
+        out.index_copy_(0, b.decode_idx, o.view(bt.shape[0], H, d))
+    for p in b.prefills:
+        n = p.token_idx.shape[0]
+        t0 = int(p.token_idx[0])
+        # the batch builder lays a chunk's tokens side by side: slice instead of gather/scatter
+        rows = slice(t0, t0 + n) if int(p.token_idx[-1]) == t0 + n - 1 else p.token_idx
+        qp = q[rows].transpose(0, 1)[None]  # [1, H, n, d]
+        if p.ctx_len == n:  # the whole sequence is this chunk: its K/V are the ones just computed
+            keys, vals = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+        else:
+            keys = kc.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx_len].transpose(0, 1)[None]
+            vals = vc.index_select(0, p.block_ids).flatten(0, 1)[: p.ctx_len].transpose(0, 1)[None]
+        if p.ctx_len == n and (window is None or window >= n):
+            o = F.scaled_dot_product_attention(qp, keys, vals, is_causal=True, enable_gqa=True, scale=scale)
+        else:
+            qpos = torch.arange(p.ctx_len - n, p.ctx_len, device=q.device)[:, None]
+            kpos = torch.arange(p.ctx_len, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)
+        out[rows] = o[0].transpose(0, 1)
+    return out.flatten(1)

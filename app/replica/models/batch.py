@@ -1,0 +1,46 @@
+"""What one forward step reads: the flat token batch, its attention layout, and the LoRA hook."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class LoraHook(Protocol):
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add every targeted adapter's delta for linear `group` ("qkv", "o", "gate_up", "down") into out."""
+
+    def embed(self, ids: torch.Tensor, h: torch.Tensor) -> None:
+        """h = the base embedding of ids [T]: apply each token's adapter's embed_tokens (LoRA or copy) in place."""
+
+    def head(self, rows: torch.Tensor, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """logits = lm_head(x), row i of token rows[i]: apply each row's adapter's lm_head (LoRA or copy)."""
+
+
+@dataclass
+class PrefillAttn:
+    token_idx: torch.Tensor  # [q_len] positions of this chunk's tokens in the flat batch
+    ctx_len: int  # tokens of the sequence in the cache after this step (context + this chunk)
+    block_ids: torch.Tensor  # [ceil(ctx_len / block_size)]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each token (block * block_size + offset)
+    decode_idx: torch.Tensor | None  # [Bd] flat index of each single-token (decode) sequence
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] (padded with 0)
+    decode_ctx_lens: torch.Tensor | None  # [Bd]
+    prefills: list[PrefillAttn]
+    logits_idx: torch.Tensor  # [n] tokens whose next-token logits are needed
+    lora: LoraHook | None = None
+
+    def seq_lens(self) -> torch.Tensor:
+        """[T] the length of each token's sequence after this step (LongRoPE picks its factors by it)."""
+        out = self.positions + 1
+        for p in self.prefills:
+            out[p.token_idx] = p.ctx_len
+        return out
