@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from app.replica.batch import Batch, ScheduledSeq
 from app.replica.lora.null import AdapterHooks
 from app.replica.models import ForwardBatch, PrefillAttn
-from app.replica.batch import Batch, ScheduledSeq
 from app.replica.sequence import Sequence
 
 
