@@ -12,13 +12,7 @@ from typing import Any
 
 import torch
 
-from app.errors import (
-    AdapterUnavailable,
-    InternalError,
-    InvalidAdapter,
-    LoraLandError,
-    QueueFull,
-)
+from app.errors import AdapterUnavailable, InternalError, LoraLandError, QueueFull
 from app.replica.batch_builder import BatchBuilder, PromptRows
 from app.replica.engine_config import EngineConfig, check_request
 from app.replica.fairness import AdmissionPolicy
@@ -29,6 +23,7 @@ from app.replica.lora.null import AdapterHooks, NullAdapters
 from app.replica.memory import keep_freed_memory
 from app.replica.models import Model
 from app.replica.outputs import Delta, OutputProcessor
+from app.replica.row_failure import row_error, scrub_kv
 from app.replica.sampling import NonFiniteLogits, sample_with_logprobs
 from app.replica.scheduler import Scheduler, SchedulerConfig
 from app.replica.sequence import Sequence
@@ -56,7 +51,9 @@ class Engine:
         if model.device.type == "cpu":
             keep_freed_memory()  # each step's temporaries reuse the last step's pages instead of faulting in
         c = model.cfg
-        self.allocator = BlockAllocator(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # LongRoPE models: K/V depend on the sequence's final length, not only its prefix (no prefix cache)
+        caching = config.enable_prefix_caching and model.prefix_cache_safe
+        self.allocator = BlockAllocator(config.num_kv_blocks, config.block_size, caching)
         self.kv = KVCache(
             c.num_layers,
             config.num_kv_blocks,
@@ -72,6 +69,7 @@ class Engine:
             admit=self.adapters.admit,
             release=self.adapters.release,
             policy=policy,
+            stale_kv=model.stale_kv,
         )
         self.builder = BatchBuilder(config.block_size, model.device, self.adapters)
         eos = set(c.eos_token_ids) | (
@@ -245,32 +243,8 @@ class Engine:
         if isinstance(exc, NonFiniteLogits):
             # Its KV may hold inf/NaN too. Attention reads stale slots of reused blocks under a mask, and
             # 0 * inf is NaN, so clear the non-finite values before its blocks go back to the pool.
-            self._scrub(seq.block_ids)
-            if seq.adapter:  # the adapter is at fault (the base model alone gives finite logits): a 400
-                error: LoraLandError = InvalidAdapter(
-                    f"adapter {seq.adapter!r} produced non-finite logits (inf/NaN) for this request, so no "
-                    "token can be sampled: its weights are likely absurdly large or corrupt; check them"
-                )
-            else:
-                error = InternalError("the base model produced non-finite logits (inf/NaN)")
-        elif isinstance(exc, LoraLandError):
-            error = exc
-        else:
-            log.error("sampling failed for sequence %d only", seq.seq_id, exc_info=exc)
-            error = InternalError(
-                f"internal error while sampling this request ({type(exc).__name__}); see the server log"
-            )
-        self._finish(seq, "abort", error)
-
-    def _scrub(self, block_ids: list[int]) -> None:
-        """Zero the inf/NaN entries of these KV blocks (finite values, shared prefix blocks, stay as they are)."""
-        if not block_ids:
-            return
-        idx = torch.tensor(block_ids, device=self.model.device)
-        for cache in (*self.kv.k, *self.kv.v):
-            cache.index_copy_(
-                0, idx, torch.nan_to_num(cache.index_select(0, idx), nan=0.0, posinf=0.0, neginf=0.0)
-            )
+            scrub_kv(self.kv, seq.block_ids, self.model.device)
+        self._finish(seq, "abort", row_error(seq, exc))
 
     # ------------------------------------------------------------------ outputs
     def _append(self, seq: Sequence, tok: int, logprobs: SampleLogprobs | None = None) -> None:
