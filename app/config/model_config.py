@@ -14,7 +14,11 @@ from typing import Any
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-LORA_MODULES = ATTN_MODULES + MLP_MODULES
+LORA_MODULES = ATTN_MODULES + MLP_MODULES  # what the device pools hold, per projection
+# Checkpoints that fuse projections (Phi-3): a PEFT LoRA on a fused module is served as one LoRA per part with
+# the same A and B's rows of that part (exactly PEFT's delta: x A^T B^T split by output rows).
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+TARGET_MODULES = LORA_MODULES + tuple(FUSED_MODULES)  # every decoder linear name a PEFT adapter may target
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -68,6 +72,11 @@ class ModelConfig:
     def windows(self) -> tuple[int | None, ...]:
         return self.layer_windows or (None,) * self.num_layers
 
+    @staticmethod
+    def block_of(module: str) -> str:
+        """The submodule a decoder linear sits in: self_attn or mlp."""
+        return "self_attn" if module in ATTN_MODULES or module == "qkv_proj" else "mlp"
+
     @property
     def qkv_bias(self) -> bool:
         return self.attention_bias
@@ -76,15 +85,20 @@ class ModelConfig:
     def o_bias(self) -> bool:
         return self.attention_bias and self.family != "qwen2"
 
+    def lora_modules(self) -> tuple[str, ...]:
+        """The decoder linears of this checkpoint a PEFT adapter names (Phi-3: the fused ones)."""
+        return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if self.family == "phi3" else LORA_MODULES
+
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of every LoRA-targetable linear in one decoder layer."""
+        """(in_features, out_features) of every LoRA-targetable linear in one decoder layer (per projection,
+        and the fused modules of a checkpoint that has them)."""
         h, q, kv, i = (
             self.hidden_size,
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
             self.intermediate_size,
         )
-        return {
+        shapes = {
             "q_proj": (h, q),
             "k_proj": (h, kv),
             "v_proj": (h, kv),
@@ -93,6 +107,9 @@ class ModelConfig:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+        if self.family == "phi3":
+            shapes |= {"qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
+        return shapes
 
     def identity(self) -> dict[str, Any]:
         """What an adapter must agree with: recorded in the catalog, checked before loading."""

@@ -33,7 +33,7 @@ class BatchBuilder:
         contiguous."""
         batch.items.sort(key=lambda it: self.adapters.sort_key(it.seq))
         bs = self.block_size
-        ids, pos, slots = [], [], []
+        ids, pos, slots, lens = [], [], [], []
         dec_idx, dec_tables, dec_lens, prefills, logits_idx, sampled = [], [], [], [], [], []
         seqs_tokens, prompt_rows, prompt_idx = [], [], []
         for it in batch.items:
@@ -42,6 +42,8 @@ class BatchBuilder:
             ids.extend(seq.token_range(start, start + n))
             rng = range(start, start + n)
             pos.extend(rng)
+            lens.extend([seq.num_tokens] * n)
+            seq.kv_basis = seq.num_tokens
             slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in rng)
             if n == 1:
                 dec_idx.append(t0)
@@ -74,6 +76,7 @@ class BatchBuilder:
             decode_ctx_lens=None,
             prefills=prefills,
             logits_idx=torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(lens, device=dev),
         )
         if dec_idx:
             width = max(len(t) for t in dec_tables)

@@ -7,7 +7,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine
 from collections.abc import Sequence as Seq
 from dataclasses import asdict
 from pathlib import Path
@@ -17,18 +17,18 @@ import torch
 
 from app.config.kernel_config import KernelConfig
 from app.config.model_config import ModelConfig
-from app.errors import InvalidRequest, UnknownAdapter
-from app.names import ModelSpec, check_name
+from app.errors import InvalidRequest
+from app.names import ModelSpec
 from app.replica.adapter_reader import AdapterReader
-from app.replica.chat import render_chat
 from app.replica.composition import Composition, Stages
 from app.replica.engine import Engine
 from app.replica.engine_config import EngineConfig
 from app.replica.fairness import make_policy
 from app.replica.grammar import Grammars
+from app.replica.kernel_adapters import KernelAdapters
+from app.replica.kernel_prompts import KernelPrompts, Prompt
 from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
-from app.replica.memory import release_free_memory
 from app.replica.models import Model, resolve_dtype
 from app.replica.output_state import Delta
 from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
@@ -38,16 +38,15 @@ from app.sampling_params import SamplingParams
 
 log = logging.getLogger("loraland.kernel")
 
-Prompt = str | list[int]
 # A model id ("a", "a@2", "a|b", "a*0.5+b*0.5"), parsed or not; None = the base model (or the adaptive chain).
 AdapterId = str | ModelSpec | None
 T = TypeVar("T")
-LONG_PROMPT_CHARS = 4096  # generate() tokenizes prompts longer than this off the event loop
-TRIM_AFTER_CHARS = 1 << 18  # after tokenizing a longer prompt, hand freed heap pages back (memory.py)
 
 
-class LLMKernel:
-    """One resident base model serving many LoRA adapters, their chains and merges, in one shared batch.
+class LLMKernel(KernelAdapters, KernelPrompts):
+    """One resident base model serving many LoRA adapters, their chains and merges, in one shared batch. Its
+    adapter administration (load, unload, pin, chains, tenant weights) is KernelAdapters
+    (app/replica/kernel_adapters.py), its prompt tokenization KernelPrompts (app/replica/kernel_prompts.py).
 
     `LLMKernel(model_id, config)` or the seed's style, `LLMKernel(model_id, max_adapters=512, ...)`: keyword
     options override `config` (KernelConfig, where every option and its default is documented)."""
@@ -123,99 +122,7 @@ class LLMKernel:
             cfg.block_size,
         )
 
-    # ------------------------------------------------------------------ adapters
-    @property
-    def hub(self) -> Any:
-        return self.reader.hub
-
-    def load_adapter(
-        self,
-        name: str,
-        source: str | Path,
-        *,
-        version: int | None = None,
-        files: dict[str, str] | None = None,
-    ) -> None:
-        """Parse and validate an adapter and make it servable under `name` (a new version if it exists).
-        `files` (filename -> sha256) makes the hub verify what it fetches, now and on every re-read.
-        Blocks the caller only; requests already running keep decoding."""
-        check_name(name)
-        weights = self.reader.read(source, name, files)
-        with self._adapter_lock:
-            v = version if version is not None else self._versions.get(name, 0) + 1
-            self._versions[name] = max(v, self._versions.get(name, 0))
-        self.adapter_manager.register(name, v, self.reader.loader(source, name, files), weights)
-
-    def unload_adapter(self, name: str) -> None:
-        """Requests already submitted for `name` finish; new ones get UnknownAdapter."""
-        try:
-            self.adapter_manager.unload(name)
-        except KeyError:
-            raise UnknownAdapter(f"adapter {name!r} is not loaded; loaded: {self.adapters()}") from None
-        self.composition.forget(name)
-
-    def pin(self, name: str) -> None:
-        self._pin(name, True)
-
-    def unpin(self, name: str) -> None:
-        self._pin(name, False)
-
-    def _pin(self, name: str, pinned: bool) -> None:
-        try:
-            self.adapter_manager.set_pinned(name, pinned)
-        except KeyError:
-            raise UnknownAdapter(f"adapter {name!r} is not loaded") from None
-
-    def has_adapter(self, name: str) -> bool:
-        return self.adapter_manager.resolve(name) is not None
-
-    def adapters(self) -> list[str]:
-        return self.adapter_manager.names()
-
-    def set_tenant_weights(self, weights: Mapping[str | None, float]) -> None:
-        """Replace the tenants' shares under the "vtc" policy (tenant -> positive weight; one not named weighs 1,
-        None is the anonymous tenant): weight 2 gets twice the tokens of weight 1 while both wait."""
-        self.fairness.set_weights(weights)
-
-    def set_adaptive_chain(self, names: Seq[str] | None) -> None:
-        """Requests that name no adapter run through this chain (also addressable as "a|b"); None clears it."""
-        self.composition.set_chain(names)
-
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """A prompt's token ids (a list of ids is checked and kept); a string too long to fit is refused before
-        tokenizing it."""
-        if isinstance(prompt, str):
-            if len(prompt) > self.max_prompt_chars:
-                raise InvalidRequest(
-                    f"the prompt has {len(prompt)} characters: more than max_model_len ({self.max_model_len} "
-                    f"tokens) can hold with this tokenizer (at most {self.max_prompt_chars} characters); "
-                    "shorten it"
-                )
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) or self.tokenizer.encode(prompt)
-            if len(prompt) > TRIM_AFTER_CHARS:
-                release_free_memory()
-            return ids
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise InvalidRequest("each prompt must be a string or a list of token ids")
-
-    async def tokenize_async(self, prompt: Prompt) -> list[int]:
-        """`tokenize` without stalling the caller's event loop on a long prompt (the fast tokenizer releases the
-        GIL); a short one costs less than the thread hop."""
-        if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
-            return await asyncio.to_thread(self.tokenize, prompt)
-        return self.tokenize(prompt)
-
-    def render_chat(self, messages: Seq[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """A chat's prompt text, through the tokenizer's chat template."""
-        return render_chat(list(messages), self.tokenizer, add_generation_prompt=add_generation_prompt)
-
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest if this prompt with these parameters cannot run on this model (vocabulary,
-        max_model_len, KV capacity): what a caller checks before fetching adapters for it."""
-        self.engine.check(prompt_ids, params)
-
     def set_fault_hook(self, hook: Callable[[Sequence], None] | None) -> None:
         """Tests only: called with each sequence that samples in a step; raising fails that sequence alone."""
         self.engine.fault_hook = hook

@@ -39,6 +39,10 @@ def _always(_: Sequence) -> bool:
     return True
 
 
+def _never(_: Sequence) -> bool:
+    return False
+
+
 def _nothing(_: Sequence) -> None:
     return None
 
@@ -55,8 +59,10 @@ class Scheduler:
         admit: Callable[[Sequence], bool] = _always,
         release: Callable[[Sequence], None] = _nothing,
         policy: AdmissionPolicy | None = None,
+        stale_kv: Callable[[Sequence], bool] = _never,
     ):
         self.config = config
+        self.stale_kv = stale_kv  # a running sequence whose cached K/V the model says must be computed again
         self.policy: AdmissionPolicy = policy if policy is not None else FirstComeFirstServed()
         self.alloc = allocator
         self.admit = admit
@@ -162,6 +168,10 @@ class Scheduler:
         pending = [
             s for s in self.running if id(s) not in claimed and id(s) not in held and s.tenant not in out
         ]
+        for seq in [s for s in pending if self.stale_kv(s)]:  # recomputed from its tokens, like a preemption
+            self._preempt(seq)
+            batch.preempted.append(seq)
+            pending.remove(seq)
         while pending and budget > 0:
             seq = pending[0]
             n = min(seq.num_uncomputed, budget)

@@ -30,6 +30,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
+    kv_basis: int = 0  # the sequence's length when its cached K/V were last computed (LongRoPE picks by it)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
     finish_reason: str | None = None

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from app.config.model_config import ATTN_MODULES, LORA_MODULES
+from app.config.model_config import TARGET_MODULES, ModelConfig
 from app.config.model_families import SUPPORTED_ARCHITECTURES
 from app.replica.lora import peft_config as C
 from app.replica.lora.peft_config import WEIGHTS_FILE, refuse
@@ -54,7 +54,7 @@ _VOCAB_TARGETS = ("embed_tokens", "model.embed_tokens", "lm_head")  # target_mod
 
 
 def _block(module: str) -> str:
-    return "self_attn" if module in ATTN_MODULES else "mlp"
+    return ModelConfig.block_of(module)
 
 
 def full_name(layer: int, module: str) -> str:
@@ -120,11 +120,15 @@ def _check_config_targets(folder: Path, cfg: dict, max_rank: int) -> None:
         if t in _VOCAB_TARGETS:
             continue
         m = _TARGET.match(t)
-        if m is None or m["module"] not in LORA_MODULES or (m["block"] and m["block"] != _block(m["module"])):
+        if (
+            m is None
+            or m["module"] not in TARGET_MODULES
+            or (m["block"] and m["block"] != _block(m["module"]))
+        ):
             raise refuse(
                 folder,
                 f"target_modules: unknown target module {t!r} (it is not a linear of a Llama/Mistral/Qwen2 "
-                f"decoder layer, nor embed_tokens/lm_head); supported: {LORA_MODULES + VOCAB_MODULES}",
+                f"decoder layer, nor embed_tokens/lm_head); supported: {TARGET_MODULES + VOCAB_MODULES}",
             )
         if m["layer"] is not None and int(m["layer"]) >= MAX_LAYERS:
             raise refuse(folder, f"target_modules entry {t!r}: layer {m['layer']} is past {MAX_LAYERS}")
@@ -260,7 +264,7 @@ def _check_covered(folder: Path, cfg: dict, ranks: dict[tuple[int, str], int]) -
             raise refuse(
                 folder,
                 f"target_modules={targets!r} also matches {hit}, which is not a LoRA-able linear; supported: "
-                f"{LORA_MODULES}",
+                f"{TARGET_MODULES}",
             )
     elif not exclude:
         modules = {mod for _, mod in ranks}
@@ -316,7 +320,7 @@ def _check_vocab(folder: Path, f: Any, vocab: dict[tuple[str, str], str], cfg: d
     modules_to_save) and no others, with the ranks it says, one vocabulary and hidden size, finite floats."""
     import torch
 
-    names = [*_GLOBAL_NAMES] + [full_name(0, m) for m in LORA_MODULES]
+    names = [*_GLOBAL_NAMES] + [full_name(0, m) for m in TARGET_MODULES]
     saved = C.saved_modules(folder, cfg, names)
     targets = cfg["target_modules"]
     lora = {

@@ -8,6 +8,7 @@ DoRA adapters are not merged: PEFT's add_weighted_adapter ignores their magnitud
 
 from __future__ import annotations
 
+import functools
 import math
 
 from app.errors import InvalidRequest
@@ -85,16 +86,26 @@ def merge_adapters(
 
 
 def _cat(terms: list[tuple[LoraWeights, float]], keys: list) -> dict:
+    """Per (layer, module): A = [w1*s1*A1; w2*s2*A2; ...] and B = [B1, B2, ...], written once each into
+    column-major tensors, the layout read_adapter gives (A [r, in] stored as [in, r], B [out, r] as [r, out]):
+    the device pools hold A^T and B^T, so installing the merge on the engine thread is then a plain copy, and
+    building it is one pass over each term's tensors, the scaling fused into A's copy."""
     import torch
 
     tensors = {}
     for key in keys:
         parts = [(lw.tensors[key], w * lw.scale) for lw, w in terms if key in lw.tensors]
-        a = torch.cat([a for (a, _), _ in parts], 0)
+        (a0, b0), _ = parts[0]
+        rank = sum(a.shape[0] for (a, _), _ in parts)
+        a_dtype = functools.reduce(torch.promote_types, (a.dtype for (a, _), _ in parts))
+        b_dtype = functools.reduce(torch.promote_types, (b.dtype for (_, b), _ in parts))
+        a = torch.empty(a0.shape[1], rank, dtype=a_dtype, device=a0.device).t()
+        b = torch.empty(rank, b0.shape[0], dtype=b_dtype, device=b0.device).t()
         at = 0
-        for (part, _), s in parts:  # scale in place: one copy of A instead of two
-            a[at : at + part.shape[0]].mul_(s)
-            at += part.shape[0]
-        b = torch.cat([b for (_, b), _ in parts], 1)
+        for (pa, pb), s in parts:
+            r = pa.shape[0]
+            torch.mul(pa, s, out=a[at : at + r])
+            b[:, at : at + r].copy_(pb)
+            at += r
         tensors[key] = (a, b)
     return tensors

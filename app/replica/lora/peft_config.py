@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.config.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
+from app.config.model_config import LORA_MODULES, TARGET_MODULES, ModelConfig
 from app.errors import InvalidAdapter
 from app.replica.lora import safe_regex
 from app.replica.lora.weights import VOCAB_MODULES
@@ -160,9 +160,9 @@ def _check_regex(folder: Path, field: str, pattern: str, matched: str) -> None:
 
 def linear_names(model: ModelConfig) -> dict[str, tuple[int, str]]:
     """The base model's LoRA-able linears: full module name -> (layer, module)."""
-    blocks = {m: "self_attn" if m in ATTN_MODULES else "mlp" for m in LORA_MODULES}
+    mods = model.lora_modules()
     return {
-        f"model.layers.{i}.{blocks[m]}.{m}": (i, m) for i in range(model.num_layers) for m in LORA_MODULES
+        f"model.layers.{i}.{model.block_of(m)}.{m}": (i, m) for i in range(model.num_layers) for m in mods
     }
 
 
@@ -231,7 +231,7 @@ def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig, *, vocab_only
         raise refuse(
             folder,
             f"target_modules={wanted_mods!r}: unknown target module {unknown[:3] or wanted_mods!r}; "
-            f"supported: {LORA_MODULES + VOCAB_MODULES}",
+            f"supported: {TARGET_MODULES + VOCAB_MODULES}",
         )
     if vocab_only:
         return {n.split(".")[-1] for n in vocab}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config.kernel_config import KernelConfig
-from app.config.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
+from app.config.model_config import FUSED_MODULES, TARGET_MODULES, ModelConfig
 from app.files import sha256_file
 from app.replica.lora import peft_config as C
 from app.replica.lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, refuse
@@ -71,9 +71,9 @@ def _parse_keys(
                 "decoder layer linear",
             )
         module, block = m["module"], m["block"]
-        if module not in LORA_MODULES or block != ("self_attn" if module in ATTN_MODULES else "mlp"):
+        if module not in TARGET_MODULES or block != ModelConfig.block_of(module):
             raise refuse(
-                folder, f"tensor {key}: unknown target module {block}.{module}; supported: {LORA_MODULES}"
+                folder, f"tensor {key}: unknown target module {block}.{module}; supported: {TARGET_MODULES}"
             )
         names.add(m["adapter"] or m["mag_adapter"] or "")
         out[(int(m["layer"]), module, m["ab"] or "M")] = key
@@ -143,6 +143,11 @@ def read_adapter(
         raise refuse(folder, f"r={top} (r/rank_pattern) exceeds max_lora_rank={max_rank}: use a smaller rank")
     scales = C.scales(folder, cfg, model, ranks)
     use_dora = bool(cfg.get("use_dora"))
+    fused = sorted({m for _, m in ranks if m in FUSED_MODULES})
+    if use_dora and fused:
+        raise refuse(
+            folder, f"use_dora=true on the fused {fused}: DoRA on fused projections is not supported"
+        )
     try:
         with safe_open(weights, framework="pt", device="cpu") as f:
             vkeys: dict[tuple[str, str], str] = {}
@@ -159,7 +164,7 @@ def read_adapter(
         scale = 1.0
     padded = pad_ranks(tensors)
     patterned = folded or any(padded[k][0].shape != tensors[k][0].shape for k in tensors)
-    tensors = padded
+    tensors = _split_fused(padded, model)
     return LoraWeights(
         name=name or folder.name,
         rank=max(a.shape[0] for a, _ in [*tensors.values(), *vocab.values()]),
@@ -243,6 +248,22 @@ def _read_tensors(
             pair.append(_float_tensor(folder, f, key, column_major=True))
         tensors[(lay, mod)] = (pair[0], pair[1])
     return tensors, magnitude
+
+
+def _split_fused(tensors: Tensors, model: ModelConfig) -> Tensors:
+    """A LoRA on a fused module (qkv_proj, gate_up_proj) as one LoRA per projection: the same A, B's rows of
+    that projection. The delta x A^T B^T is the same numbers, split by output rows."""
+    shapes, out = model.linear_shapes(), {}
+    for (lay, mod), (a, b) in tensors.items():
+        if mod not in FUSED_MODULES:
+            out[(lay, mod)] = (a, b)
+            continue
+        start = 0
+        for part in FUSED_MODULES[mod]:
+            n = shapes[part][1]
+            out[(lay, part)] = (a, b[start : start + n])
+            start += n
+    return out
 
 
 def _float_tensor(folder: Path, f: Any, key: str, *, column_major: bool = False) -> Any:

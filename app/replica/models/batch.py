@@ -37,10 +37,4 @@ class ForwardBatch:
     prefills: list[PrefillAttn]
     logits_idx: torch.Tensor  # [n] tokens whose next-token logits are needed
     lora: LoraHook | None = None
-
-    def seq_lens(self) -> torch.Tensor:
-        """[T] the length of each token's sequence after this step (LongRoPE picks its factors by it)."""
-        out = self.positions + 1
-        for p in self.prefills:
-            out[p.token_idx] = p.ctx_len
-        return out
+    seq_lens: torch.Tensor | None = None  # [T] each token's sequence length (its known tokens) this step

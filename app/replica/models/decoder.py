@@ -27,6 +27,7 @@ from app.replica.models.norms import RMSNorm, act_mul_
 from app.replica.models.registry import layer_loader
 from app.replica.models.rope import Rope, rotate_
 from app.replica.models.weights import WeightReader
+from app.replica.sequence import Sequence
 
 # rows a linear sees per step: lm_head only the sampled positions (at most one per running sequence)
 MAX_ROWS = 4096
@@ -97,11 +98,17 @@ class Model:
             ts |= {id(t): t for t in lin.tensors()}  # a tied lm_head run by aten is the embedding itself
         return sum(t.numel() * t.element_size() for t in ts.values())
 
-    def needs_recompute(self, ctx_len: int, new_len: int) -> bool:
-        """True when a sequence growing from ctx_len to new_len tokens crosses LongRoPE's switch: its cached K/V
-        were rotated with the short factors and must be computed again with the long ones (as transformers does)."""
+    @property
+    def prefix_cache_safe(self) -> bool:
+        """False for LongRoPE: the same tokens' K/V differ with the sequence's final length (short vs long
+        factors), which a prefix-cache key does not hold."""
+        return self.ropes[0].longrope_at is None
+
+    def stale_kv(self, seq: Sequence) -> bool:
+        """A sequence that grew past LongRoPE's switch since its cached K/V were computed with the short factors:
+        they must be computed again with the long ones, as transformers recomputes its cache then."""
         at = self.ropes[0].longrope_at
-        return at is not None and ctx_len <= at < new_len and ctx_len > 0
+        return at is not None and seq.num_computed > 0 and seq.kv_basis <= at < seq.num_tokens
 
     @torch.inference_mode()
     def forward(self, b: ForwardBatch, kv: KVCache) -> torch.Tensor:
@@ -115,8 +122,7 @@ class Model:
             lora.embed(b.input_ids, h)
         if self.embed_scale is not None:
             h.mul_(self.embed_scale)
-        seq_lens = b.seq_lens() if self.ropes[0].longrope_at is not None else None
-        rope = [r.cos_sin(b.positions, seq_lens, self.dtype) for r in self.ropes]
+        rope = [r.cos_sin(b.positions, b.seq_lens, self.dtype) for r in self.ropes]
         stale = stale_slots(b, kv.k[0].shape[1]) if b.decode_idx is not None else None
         for li, L in enumerate(self.layers):
             x = L.attn_norm(h)
