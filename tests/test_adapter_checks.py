@@ -126,7 +126,7 @@ def test_allowed_patterns_match_in_bounded_time():
         r".*.*(?:.|.)(?:.?)Z",
         "(?:.|.)" * 6 + "Z",
     ]
-    names = [checks.full_name(i, m) for i in range(80) for m in checks.LORA_MODULES]
+    names = [checks.full_name(i, m) for i in range(80) for m in checks.TARGET_MODULES]
     for pattern in worst:
         safe_regex.check(pattern)
         compiled = re.compile(pattern)
