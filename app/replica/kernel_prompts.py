@@ -1,0 +1,62 @@
+"""LLMKernel's prompts (mixed into LLMKernel, app/replica/kernel.py): text or token ids to the ids a request
+runs on, within what the model can hold, and chats through the tokenizer's template."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from app.errors import InvalidRequest
+from app.replica.chat import render_chat
+from app.replica.engine import Engine
+from app.replica.memory import release_free_memory
+from app.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+LONG_PROMPT_CHARS = 4096  # generate() tokenizes prompts longer than this off the event loop
+TRIM_AFTER_CHARS = 1 << 18  # after tokenizing a longer prompt, hand freed heap pages back (memory.py)
+
+
+class KernelPrompts:
+    """Mixed into LLMKernel, whose constructor sets these attributes."""
+
+    tokenizer: Any
+    engine: Engine
+    max_model_len: int
+    max_prompt_chars: int  # no token spells more characters than the longest vocabulary entry
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids (a list of ids is checked and kept); a string too long to fit is refused before
+        tokenizing it."""
+        if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_chars:
+                raise InvalidRequest(
+                    f"the prompt has {len(prompt)} characters: more than max_model_len ({self.max_model_len} "
+                    f"tokens) can hold with this tokenizer (at most {self.max_prompt_chars} characters); "
+                    "shorten it"
+                )
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) or self.tokenizer.encode(prompt)
+            if len(prompt) > TRIM_AFTER_CHARS:
+                release_free_memory()
+            return ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise InvalidRequest("each prompt must be a string or a list of token ids")
+
+    async def tokenize_async(self, prompt: Prompt) -> list[int]:
+        """`tokenize` without stalling the caller's event loop on a long prompt (the fast tokenizer releases the
+        GIL); a short one costs less than the thread hop."""
+        if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(self.tokenize, prompt)
+        return self.tokenize(prompt)
+
+    def render_chat(self, messages: Seq[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """A chat's prompt text, through the tokenizer's chat template."""
+        return render_chat(list(messages), self.tokenizer, add_generation_prompt=add_generation_prompt)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest if this prompt with these parameters cannot run on this model (vocabulary,
+        max_model_len, KV capacity): what a caller checks before fetching adapters for it."""
+        self.engine.check(prompt_ids, params)
