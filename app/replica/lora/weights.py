@@ -92,17 +92,20 @@ Tensors = dict[tuple[int, str], tuple["torch.Tensor", "torch.Tensor"]]
 
 
 def pad_ranks(tensors: Tensors) -> Tensors:
-    """Zero-pad every layer of a module to that module's largest rank (exact: the padding adds nothing)."""
-    import torch
-
+    """Zero-pad every layer of a module to that module's largest rank (exact: the padding adds nothing). The
+    padded tensors keep read_adapter's column-major layout (A [r, in] stored as [in, r], B [out, r] as
+    [r, out]), so installing them into a device pool stays a plain copy."""
     width: dict[str, int] = {}
     for (_, m), (a, _) in tensors.items():
         width[m] = max(width.get(m, 0), a.shape[0])
     out = {}
     for (lay, m), (a, b) in tensors.items():
-        pad = width[m] - a.shape[0]
-        if pad:
-            a = torch.cat([a, a.new_zeros(pad, a.shape[1])], 0)
-            b = torch.cat([b, b.new_zeros(b.shape[0], pad)], 1)
+        r, w = a.shape[0], width[m]
+        if w > r:
+            pa = a.new_zeros(a.shape[1], w).t()
+            pa[:r].copy_(a)
+            pb = b.new_zeros(w, b.shape[0]).t()
+            pb[:, :r].copy_(b)
+            a, b = pa, pb
         out[(lay, m)] = (a, b)
     return out
