@@ -52,6 +52,14 @@ class ModelConfig:
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     final_logit_softcap: float | None = None
+    # Mixture of experts (Qwen3-MoE; the names are Mixtral's/OLMoE's too): 0 experts = every MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's MLP width (intermediate_size is the dense layers')
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: tuple[
+        bool, ...
+    ] = ()  # per decoder layer: True where the MLP is the experts, False where dense
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +70,17 @@ class ModelConfig:
             )
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if self.moe_layers and len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"{len(self.moe_layers)} MoE layer flags for {self.num_layers} layers")
+        if any(self.moe_layers) and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts "
+                f"({self.num_experts})"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
 
     @property
     def sliding_window(self) -> int | None:
@@ -86,7 +105,10 @@ class ModelConfig:
         return self.attention_bias and self.family != "qwen2"
 
     def lora_modules(self) -> tuple[str, ...]:
-        """The decoder linears of this checkpoint a PEFT adapter names (Phi-3: the fused ones)."""
+        """The decoder linears of this checkpoint a PEFT adapter names (Phi-3: the fused ones). On an MoE model
+        only attention: LoRA on the experts, the router or the dense MLP layers among them is not served yet."""
+        if self.is_moe:
+            return ATTN_MODULES
         return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if self.family == "phi3" else LORA_MODULES
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:

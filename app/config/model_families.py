@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
 }
@@ -137,9 +138,25 @@ def _qwen(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     out: dict[str, Any] = {"layer_windows": _windows(cfg, lambda i: slide and i >= first)}
     if family == "qwen2" and cfg.get("attention_bias") is None:
         out["attention_bias"] = True  # Qwen2's q/k/v always have biases
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         out["qk_norm"] = True
     return out
+
+
+def _moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Experts, top-k and which layers are sparse: Qwen2/3-MoE's rule (every decoder_sparse_step-th layer, except
+    mlp_only_layers, which keep a dense MLP of intermediate_size)."""
+    n, experts = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
+    step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts (shared_expert_intermediate_size) are not supported")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": cfg.get("num_experts_per_tok", 0),
+        "moe_intermediate_size": cfg.get("moe_intermediate_size", 0),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "moe_layers": tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n)),
+    }
 
 
 def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -184,6 +201,7 @@ _READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mistral": _mistral_like,
     "qwen2": lambda cfg: _qwen(cfg, "qwen2"),
     "qwen3": lambda cfg: _qwen(cfg, "qwen3"),
+    "qwen3_moe": lambda cfg: _qwen(cfg, "qwen3_moe") | _moe(cfg),
     "gemma3": _gemma3,
     "phi3": _phi3,
 }

@@ -93,7 +93,7 @@ class Model:
 
     def nbytes(self) -> int:
         ts = {id(t): t for t in (self.embed, self.norm.weight)}
-        ts |= {id(t): t for layer in self.layers for t in layer.norm_weights()}
+        ts |= {id(t): t for layer in self.layers for t in layer.norm_weights() + layer.moe_tensors()}
         for lin in self.linears():
             ts |= {id(t): t for t in lin.tensors()}  # a tied lm_head run by aten is the embedding itself
         return sum(t.numel() * t.element_size() for t in ts.values())
@@ -149,13 +149,16 @@ class Model:
                 lora.apply(li, "o", attn, o)
             h.add_(o if L.attn_out_norm is None else L.attn_out_norm(o))
             x = L.mlp_norm(h)
-            gu = L.gate_up(x)
-            if lora is not None:
-                lora.apply(li, "gate_up", x, gu)
-            m = act_mul_(gu, c.hidden_act)
-            dn = L.down(m)
-            if lora is not None:
-                lora.apply(li, "down", m, dn)
+            if L.moe is not None:  # no LoRA on experts or router (refused at adapter load)
+                dn = L.moe(x)
+            else:
+                gu = L.gate_up(x)
+                if lora is not None:
+                    lora.apply(li, "gate_up", x, gu)
+                m = act_mul_(gu, c.hidden_act)
+                dn = L.down(m)
+                if lora is not None:
+                    lora.apply(li, "down", m, dn)
             h.add_(dn if L.mlp_out_norm is None else L.mlp_out_norm(dn))
         h = self.norm(h.index_select(0, b.logits_idx))
         logits = self.lm_head(h)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.config.model_config import ModelConfig
-from app.replica.models import gemma3, llama, phi3, qwen3
+from app.replica.models import gemma3, llama, phi3, qwen3, qwen3_moe
 from app.replica.models.layer import Layer, MakeLinear
 from app.replica.models.weights import WeightReader
 
@@ -17,6 +17,7 @@ LAYER_LOADERS: dict[str, LoadLayer] = {
     "mistral": llama.load_layer,
     "qwen2": llama.load_layer,
     "qwen3": qwen3.load_layer,
+    "qwen3_moe": qwen3_moe.load_layer,
     "gemma3": gemma3.load_layer,
     "phi3": phi3.load_layer,
 }
