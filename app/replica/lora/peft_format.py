@@ -22,7 +22,7 @@ from app.config.model_config import FUSED_MODULES, TARGET_MODULES, ModelConfig
 from app.files import sha256_file
 from app.replica.lora import peft_config as C
 from app.replica.lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, refuse
-from app.replica.lora.weights import LoraWeights, Tensors, pad_ranks
+from app.replica.lora.weights import LoraWeights, Tensors, pad_ranks, split_fused
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def read_adapter(
         scale = 1.0
     padded = pad_ranks(tensors)
     patterned = folded or any(padded[k][0].shape != tensors[k][0].shape for k in tensors)
-    tensors = _split_fused(padded, model)
+    tensors = split_fused(padded, model.linear_shapes())
     return LoraWeights(
         name=name or folder.name,
         rank=max(a.shape[0] for a, _ in [*tensors.values(), *vocab.values()]),
@@ -248,22 +248,6 @@ def _read_tensors(
             pair.append(_float_tensor(folder, f, key, column_major=True))
         tensors[(lay, mod)] = (pair[0], pair[1])
     return tensors, magnitude
-
-
-def _split_fused(tensors: Tensors, model: ModelConfig) -> Tensors:
-    """A LoRA on a fused module (qkv_proj, gate_up_proj) as one LoRA per projection: the same A, B's rows of
-    that projection. The delta x A^T B^T is the same numbers, split by output rows."""
-    shapes, out = model.linear_shapes(), {}
-    for (lay, mod), (a, b) in tensors.items():
-        if mod not in FUSED_MODULES:
-            out[(lay, mod)] = (a, b)
-            continue
-        start = 0
-        for part in FUSED_MODULES[mod]:
-            n = shapes[part][1]
-            out[(lay, part)] = (a, b[start : start + n])
-            start += n
-    return out
 
 
 def _float_tensor(folder: Path, f: Any, key: str, *, column_major: bool = False) -> Any:

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from app.config.model_config import FUSED_MODULES
+
 if TYPE_CHECKING:  # torch is imported where tensors are made, so `adapters validate/push` start fast
     import torch
 
@@ -108,4 +110,20 @@ def pad_ranks(tensors: Tensors) -> Tensors:
             pb[:, :r].copy_(b)
             a, b = pa, pb
         out[(lay, m)] = (a, b)
+    return out
+
+
+def split_fused(tensors: Tensors, shapes: dict[str, tuple[int, int]]) -> Tensors:
+    """A LoRA on a fused module (qkv_proj, gate_up_proj) as one LoRA per projection: the same A, B's rows of
+    that projection (`shapes`: (in, out) per module). The delta x A^T B^T is the same numbers, split by rows."""
+    out = {}
+    for (lay, mod), (a, b) in tensors.items():
+        if mod not in FUSED_MODULES:
+            out[(lay, mod)] = (a, b)
+            continue
+        start = 0
+        for part in FUSED_MODULES[mod]:
+            n = shapes[part][1]
+            out[(lay, part)] = (a, b[start : start + n])
+            start += n
     return out
