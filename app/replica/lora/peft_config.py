@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.config.model_config import LORA_MODULES, TARGET_MODULES, ModelConfig
+from app.config.model_config import ATTN_MODULES, LORA_MODULES, MLP_MODULES, TARGET_MODULES, ModelConfig
 from app.errors import InvalidAdapter
 from app.replica.lora import safe_regex
 from app.replica.lora.weights import VOCAB_MODULES
@@ -32,7 +32,8 @@ _REFUSED_FIELDS = {
     "trainable_token_indices": "it trains selected embedding rows (TrainableTokens); not supported: use LoRA on "
     "embed_tokens or modules_to_save",
     "layer_replication": "it duplicates decoder layers, which changes the base model",
-    "target_parameters": "LoRA on raw parameters (e.g. MoE experts) is not supported",
+    "target_parameters": "LoRA on raw parameters (mixture-of-experts experts' gate_up_proj/down_proj) is not "
+    "supported yet; attention LoRA (target_modules q_proj, k_proj, v_proj, o_proj) is",
     "use_qalora": "QA-LoRA pools the input; not supported",
     "alora_invocation_tokens": "activated LoRA switches on mid-sequence; not supported",
     "megatron_config": "Megatron-parallel LoRA layers are not supported",
@@ -208,6 +209,7 @@ def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig, *, vocab_only
             hit_other = [n for n in hit_other if not _name_matches(exclude, n)]
     except re.error as e:
         raise refuse(folder, f"target_modules/exclude_modules is not a valid regex ({e})") from None
+    _refuse_moe_mlp(folder, wanted_mods, exclude, model)
     vocab = [n for n in hit_other if n.endswith(VOCAB_MODULES)]
     if vocab and cfg.get("use_dora"):
         raise refuse(
@@ -256,6 +258,42 @@ def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig, *, vocab_only
             folder, "target_modules, exclude_modules and layers_to_transform leave no module to adapt"
         )
     return {linear[n] for n in hit_linear}
+
+
+def _moe_mlp_names(model: ModelConfig) -> list[str]:
+    """An MoE model's MLP module names as PEFT sees them: router and experts on sparse layers (per expert too, as
+    transformers 4 built them), gate/up/down on its dense layers."""
+    names = []
+    for i, sparse in enumerate(model.moe_layers):
+        p = f"model.layers.{i}.mlp"
+        if sparse:
+            names += [f"{p}.gate", f"{p}.experts"]
+            names += [f"{p}.experts.{e}.{m}" for e in range(model.num_experts) for m in MLP_MODULES]
+        else:
+            names += [f"{p}.{m}" for m in MLP_MODULES]
+    return names
+
+
+def _refuse_moe_mlp(folder: Path, wanted: str | list[str], exclude: Any, model: ModelConfig) -> None:
+    """On a mixture-of-experts model only attention takes LoRA: a target on the experts, the router or the MLP
+    of its dense layers is refused by name rather than reported as an unknown module."""
+    if not model.is_moe:
+        return
+    hit = next(
+        (
+            n
+            for n in _moe_mlp_names(model)
+            if _name_matches(wanted, n) and not (exclude and _name_matches(exclude, n))
+        ),
+        None,
+    )
+    if hit is not None:
+        raise refuse(
+            folder,
+            f"target_modules={wanted!r} matches {hit}: LoRA on a mixture-of-experts model's MLP (experts, router "
+            f"'gate', dense gate/up/down_proj) is not supported yet; attention LoRA ({', '.join(ATTN_MODULES)}) "
+            "is served",
+        )
 
 
 def _pattern_value(folder: Path, pattern: dict[str, float], name: str, default: float) -> float:

@@ -64,13 +64,15 @@ class MoE:
         weights, experts = self.route(x)
         if self.on_route is not None:
             self.on_route(experts)
-        k = self.top_k
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)  # pairs by expert; within one, by token
-        rows = order // k  # the token of each sorted pair
+        T = x.shape[0]
+        # pairs by expert; within one by top-k rank, then token: transformers' row order, so each GEMM sees
+        # the rows where HF's does (a GEMM's rounding may depend on a row's place in its blocking)
+        flat = experts.t().flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = order % T  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
         xs = x.index_select(0, rows)
-        ws = weights.flatten().index_select(0, order).unsqueeze(1)
+        ws = weights.t().flatten().index_select(0, order).unsqueeze(1)
         ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):

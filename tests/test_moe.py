@@ -1,0 +1,180 @@
+"""Qwen3-MoE against transformers (+ PEFT), fp32 greedy tokens identical: the grouped experts (one GEMM pair per
+expert) against transformers' own sparse block, base prompts that reach every expert, attention LoRA mixed with
+base in one batch, and LoRA on the experts / router / MLP refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from app.config.model_config import ATTN_MODULES, ModelConfig
+from app.errors import InvalidAdapter
+from app.replica.lora.peft_format import read_adapter
+from app.replica.models.moe import MoE
+from loraland import LLMKernel
+from tests.fixtures.adapters import make_peft_adapter, peft_model_with
+from tests.fixtures.moe_models import build_moe_model
+from tests.hf_oracle import hf_greedy
+
+MAX_NEW = 8
+ATTN = list(ATTN_MODULES)
+
+
+def _prompts(tok, n, lo, hi, seed=0):
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over lazy dog hello world ray serve adapters blocks paged".split()
+    out = []
+    for _ in range(n):
+        ids = tok.encode(" ".join(rng.choice(words) for _ in range(hi)), add_special_tokens=False)
+        out.append(ids[: rng.randint(lo, hi)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    import transformers
+
+    root = tmp_path_factory.mktemp("qwen3-moe")
+    model_dir = build_moe_model(root / "model")
+    adapters = {
+        "attn-r8": make_peft_adapter(model_dir, root / "attn-r8", r=8, alpha=16, target_modules=ATTN, seed=1),
+        "qv-r4-rs": make_peft_adapter(
+            model_dir,
+            root / "qv-r4-rs",
+            r=4,
+            alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            use_rslora=True,
+            seed=2,
+            std=0.1,
+        ),  # fmt: skip
+    }
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompts = _prompts(tok, 12, 2, 30)
+    return root, model_dir, adapters, prompts
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 37, 200])
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_grouped_experts_equal_transformers_sparse_block(tokens, norm_topk):
+    """Bit-identical to Qwen3MoeSparseMoeBlock (eager experts loop) in fp32, top-3 of 8 so the order of the
+    per-token sum matters, with experts that get no token at small sizes."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=48,
+        moe_intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=norm_topk,
+    )
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(tokens)
+    block = Qwen3MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+        x = torch.randn(1, tokens, 48)
+        want = block(x)[0]
+    e = block.experts
+    ours = MoE(block.gate.weight.data, e.gate_up_proj.data, e.down_proj.data, 3, norm_topk, "silu")
+    assert torch.equal(ours(x[0]), want)
+
+
+def test_config_is_read_as_qwen3_moe(moe):
+    _, model_dir, *_ = moe
+    mc = ModelConfig.from_folder(model_dir)
+    assert (mc.family, mc.num_experts, mc.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert mc.moe_intermediate_size == 32 and mc.norm_topk_prob and mc.qk_norm
+    assert mc.moe_layers == (True, False, True)  # layer 1 is in mlp_only_layers
+    assert mc.lora_modules() == ATTN_MODULES
+
+
+def test_base_tokens_match_transformers_and_reach_every_expert(moe):
+    _, model_dir, _, prompts = moe
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    with LLMKernel(model_dir, dtype="float32", num_kv_blocks=256) as k:
+        seen: dict[int, torch.Tensor] = {}
+        for li, layer in enumerate(k.model.layers):
+            if layer.moe is not None:
+                seen[li] = torch.zeros(layer.moe.num_experts, dtype=torch.long)
+                layer.moe.on_route = lambda ex, li=li: seen[li].add_(
+                    torch.bincount(ex.flatten(), minlength=8)
+                )
+        outs = k.complete(prompts, [None] * len(prompts), max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == refs
+    assert sorted(seen) == [0, 2]
+    for li, counts in seen.items():
+        assert (counts > 0).all(), f"layer {li}: experts {counts.tolist()}"
+
+
+def test_attention_lora_mixed_with_base_matches_peft(moe):
+    _, model_dir, adapters, prompts = moe
+    peft = peft_model_with(model_dir, adapters)
+    names = list(adapters)
+    ids = [None if i % 3 == 0 else names[i % 2] for i in range(len(prompts))]
+    refs = [hf_greedy(peft, p, MAX_NEW, adapter_names=[a or "__base__"]) for p, a in zip(prompts, ids)]
+    with LLMKernel(
+        model_dir, dtype="float32", num_kv_blocks=24, block_size=4, max_num_batched_tokens=16
+    ) as k:
+        for name, path in adapters.items():
+            k.load_adapter(name, path)
+        outs = k.complete(prompts, ids, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == refs
+    base = {tuple(r) for r, a in zip(refs, ids) if a is None}
+    assert any(tuple(r) not in base for r, a in zip(refs, ids) if a is not None)  # the adapters do something
+
+
+def _edited(src, dst, **changes):
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps(cfg | changes))
+    return dst
+
+
+def test_expert_router_and_mlp_lora_are_refused_by_name(moe):
+    root, model_dir, adapters, _ = moe
+    mc = ModelConfig.from_folder(model_dir)
+    good = adapters["attn-r8"]
+    cases = {
+        # PEFT's LoRA on the fused 3-D expert parameters
+        "params": (
+            _edited(good, root / "params", target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+            "target_parameters=.*not supported yet; attention LoRA",
+        ),
+        # PEFT itself turns gate/up/down targets on a transformers 5 MoE into target_parameters on the experts
+        "peft-mlp": (
+            make_peft_adapter(model_dir, root / "peft-mlp", r=4, alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+            "target_parameters=.*not supported yet",
+        ),
+        # an adapter trained where experts were modules (transformers 4), or on the dense layer's MLP
+        "mlp-modules": (
+            _edited(good, root / "mlp-modules", target_modules=["q_proj", "down_proj"]),
+            r"matches model\.layers\.0\.mlp\.experts\.0\.down_proj: LoRA on a mixture-of-experts model's MLP",
+        ),
+        "router": (
+            _edited(good, root / "router", target_modules=["q_proj", "gate"]),
+            r"matches model\.layers\.0\.mlp\.gate: .*attention LoRA \(q_proj, k_proj, v_proj, o_proj\) is served",
+        ),
+        "experts-regex": (
+            _edited(good, root / "experts-regex", target_modules=r".*\.(q_proj|experts\.\d+\.up_proj)"),
+            r"matches model\.layers\.0\.mlp\.experts\.0\.up_proj",
+        ),
+    }  # fmt: skip
+    for folder, msg in cases.values():
+        with pytest.raises(InvalidAdapter, match=msg):
+            read_adapter(folder, mc)
+    read_adapter(_edited(good, root / "excluded", target_modules=r".*proj", exclude_modules=r".*mlp.*"), mc)
+    with LLMKernel(model_dir, dtype="float32", num_kv_blocks=32) as k:
+        with pytest.raises(InvalidAdapter, match="not supported yet"):
+            k.load_adapter("params", cases["params"][0])
