@@ -178,3 +178,32 @@ def test_expert_router_and_mlp_lora_are_refused_by_name(moe):
     with LLMKernel(model_dir, dtype="float32", num_kv_blocks=32) as k:
         with pytest.raises(InvalidAdapter, match="not supported yet"):
             k.load_adapter("params", cases["params"][0])
+
+
+def test_fused_expert_weights_load_as_the_per_expert_ones(moe, tmp_path):
+    """transformers 5's in-memory layout (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]) saved as is
+    reads to the same experts as the Hub's per-expert tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from app.replica.models.decoder import Model
+
+    _, model_dir, *_ = moe
+    mc = ModelConfig.from_folder(model_dir)
+    sd = load_file(model_dir / "model.safetensors")
+    for i in (0, 2):
+        x = f"model.layers.{i}.mlp.experts."
+        gate_up = [
+            torch.cat([sd.pop(f"{x}{e}.gate_proj.weight"), sd.pop(f"{x}{e}.up_proj.weight")])
+            for e in range(8)
+        ]
+        sd[x + "gate_up_proj"] = torch.stack(gate_up)
+        sd[x + "down_proj"] = torch.stack([sd.pop(f"{x}{e}.down_proj.weight") for e in range(8)])
+    save_file(sd, tmp_path / "model.safetensors")
+    cpu = torch.device("cpu")
+    a = Model(model_dir, mc, torch.float32, cpu, gemm="aten")
+    b = Model(tmp_path, mc, torch.float32, cpu, gemm="aten")
+    for la, lb in zip(a.layers, b.layers):
+        assert (la.moe is None) == (lb.moe is None)
+        if la.moe is not None:
+            assert all(torch.equal(p, q) for p, q in zip(la.moe.tensors(), lb.moe.tensors()))
+    assert a.nbytes() == b.nbytes() > sum(t.numel() * 4 for t in a.layers[0].moe.tensors())
