@@ -27,7 +27,11 @@ APP_NAME = "loraland"
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object; it sets `func` to `run_serve`."""
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster")
-    p.add_argument("--model", required=True, help="Hugging Face model folder or Hub id")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model folder, Hub id, .gguf file, or a packaged model: smollm2-135m, gemma3-270m",
+    )
     p.add_argument("--served-model-name", default=None, help="the id clients use for the base model")
     p.add_argument("--replicas", type=int, default=1, help="model replicas (each one LLMKernel)")
     p.add_argument(
@@ -97,8 +101,25 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="token budget of one engine step (default 4096)",
     )
     p.add_argument("--dtype", default=None)
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="replaces the model's chat template: a Jinja file, or the template itself",
+    )
     p.set_defaults(func=run_serve)
     return p
+
+
+def _chat_template(value: str | None) -> str | None:
+    """A --chat-template file is read here, so replicas on any node get its text."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except OSError as e:
+        raise SystemExit(
+            f"--chat-template {value!r}: neither a readable file ({e.strerror}) nor a Jinja template"
+        ) from e
 
 
 def config_from_args(args: argparse.Namespace, redis_url: str) -> AppConfig:
@@ -110,6 +131,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> AppConfig:
             "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "dtype": args.dtype,
+            "chat_template": _chat_template(getattr(args, "chat_template", None)),
         }.items()
         if v is not None
     }

@@ -52,8 +52,14 @@ class KernelConfig:
     # paper's VTC: 3.4-6.3x; FCFS 37-54x) at the same throughput (load_tests/fairness.md). Only with
     # scheduling_policy "vtc".
     vtc_preempt: bool = True
+    # Replaces the tokenizer's chat template: a file path, or the Jinja template itself (anything holding "{{" or
+    # "{%"). None: the model's own (its tokenizer's chat_template / chat_template.jinja).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        t = self.chat_template
+        if t is not None and (not isinstance(t, str) or not t.strip()):
+            raise ValueError(f"chat_template must be a file path or a Jinja template string, got {t!r}")
         if not isinstance(self.dtype, str):  # a torch.dtype, as LLMKernel always accepted: keep its name
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         required = ("max_adapters", "max_batch_size", "max_lora_rank", "block_size", "max_num_batched_tokens")

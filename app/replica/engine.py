@@ -7,7 +7,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ class Engine:
         config: EngineConfig,
         adapters: AdapterHooks = NullAdapters(),
         policy: AdmissionPolicy | None = None,  # admission between tenants; None: first come first served
+        eos_token_ids: Iterable[int] = (),  # end tokens beyond config.json's (generation_config.json's)
     ):
         self.model, self.tok, self.cfg, self.adapters = model, tokenizer, config, adapters
         if model.device.type == "cpu":
@@ -72,9 +73,11 @@ class Engine:
             stale_kv=model.stale_kv,
         )
         self.builder = BatchBuilder(config.block_size, model.device, self.adapters)
-        eos = set(c.eos_token_ids) | (
-            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        )
+        # every end token the model may emit: config.json's, generation_config.json's (a list in chat models,
+        # e.g. Gemma's <eos> and <end_of_turn>) and the tokenizer's
+        eos = set(c.eos_token_ids) | set(eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
         self.outputs = OutputProcessor(tokenizer, eos, config.max_model_len)
         self.eos_ids = frozenset(eos)  # what min_tokens masks (with each request's stop_token_ids)
         self._ids = itertools.count()

@@ -31,7 +31,13 @@ from app.replica.lora.dora import BaseWeights
 from app.replica.lora.manager import AdapterManager
 from app.replica.models import Model, resolve_dtype
 from app.replica.output_state import Delta
-from app.replica.resources import available_memory, kv_blocks, load_tokenizer, resolve_model_path
+from app.replica.resources import (
+    available_memory,
+    generation_eos_ids,
+    kv_blocks,
+    load_tokenizer,
+    resolve_model_path,
+)
 from app.replica.results import Completion, KernelStats
 from app.replica.sequence import Sequence
 from app.sampling_params import SamplingParams
@@ -64,7 +70,7 @@ class LLMKernel(KernelAdapters, KernelPrompts):
         )
         self.dtype = resolve_dtype(cfg.dtype, dev, mc)
         self.model = Model(folder, mc, self.dtype, dev)
-        self.tokenizer = load_tokenizer(folder)
+        self.tokenizer = load_tokenizer(folder, cfg.chat_template)
         if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
@@ -110,6 +116,7 @@ class LLMKernel(KernelAdapters, KernelPrompts):
             ),
             adapters=self.adapter_manager,
             policy=self.fairness,
+            eos_token_ids=generation_eos_ids(folder),
         )
         self.engine.start()
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.engine.eos_ids)
