@@ -11,7 +11,9 @@ turns a failure back into an exception is `Failure.to_exception`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from app import errors
 from app.adapter_record import AdapterRecord
@@ -77,6 +79,26 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class ToolFunction:
+    """One of a chat's `tools` (OpenAI's {"type": "function", "function": {...}}), checked by the ingress
+    (app/router/http/tool_calls.py); the replica hands it to the chat template. `parameters`: its JSON schema as
+    JSON text, None when the caller gave none."""
+
+    name: str
+    description: str | None = None
+    parameters: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's tool object, what `tokenizer.apply_chat_template(..., tools=...)` expects."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        if self.parameters is not None:
+            fn["parameters"] = json.loads(self.parameters)
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
 class ReplicaRequest:
     """One OpenAI request, parsed, resolved and validated once by the ingress: `spec` is the `model` field with
     every term's version pinned (app/names.py; empty = the base model), `records` the catalog record of every
@@ -86,7 +108,10 @@ class ReplicaRequest:
     spec: ModelSpec = ModelSpec()
     records: tuple[AdapterRecord, ...] = ()
     prompts: tuple[str | tuple[int, ...], ...] = ()
-    messages: tuple[dict[str, str], ...] | None = None  # a chat; rendered by the replica's tokenizer
+    # a chat, rendered by the replica's tokenizer: OpenAI's messages ("role", "content"; an assistant's
+    # "tool_calls", a tool's "tool_call_id"), and the `tools` its template is given
+    messages: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[ToolFunction, ...] = ()
     sampling: SamplingParams = SamplingParams()
     n: int = 1
     tenant: str | None = None  # the caller's tenant, for fair admission (None: no auth, or the admin)

@@ -52,9 +52,17 @@ class KernelPrompts:
             return await asyncio.to_thread(self.tokenize, prompt)
         return self.tokenize(prompt)
 
-    def render_chat(self, messages: Seq[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """A chat's prompt text, through the tokenizer's chat template."""
-        return render_chat(list(messages), self.tokenizer, add_generation_prompt=add_generation_prompt)
+    def render_chat(
+        self,
+        messages: Seq[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Seq[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """A chat's prompt text, through the tokenizer's chat template (given `tools`, OpenAI's tool objects)."""
+        return render_chat(
+            list(messages), self.tokenizer, add_generation_prompt=add_generation_prompt, tools=tools
+        )
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest if this prompt with these parameters cannot run on this model (vocabulary,

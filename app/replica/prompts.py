@@ -16,7 +16,8 @@ async def prepare_prompts(kernel: LLMKernel, request: ReplicaRequest) -> list[Pr
     capacity), and its response_format compiled (a bad schema is a 400): all before any adapter is fetched,
     so a request that cannot run pulls nothing."""
     if request.messages is not None:
-        texts: list[str | tuple[int, ...]] = [kernel.render_chat(request.messages)]
+        tools = [t.to_openai() for t in request.tools]
+        texts: list[str | tuple[int, ...]] = [kernel.render_chat(request.messages, tools=tools)]
     else:
         texts = list(request.prompts)
     prompts = []

@@ -19,7 +19,9 @@ from app.protocol import ChoiceDelta, ReplicaRequest
 from app.router.http import openai_requests as bodies
 from app.router.http import openai_responses as resp
 from app.router.http import openai_sampling as samp
+from app.router.http import tool_calls
 from app.router.http.auth import Caller
+from app.router.http.tool_calls import ToolPlan
 from app.router.routing.replica_client import Backend, ReplicaStream, call
 from app.sampling_params import SamplingParams
 
@@ -111,11 +113,19 @@ class IngressService:
         chat: bool,
         rid: str,
         caller: Caller | None = None,
+        tools: ToolPlan | None = None,
     ) -> ReplicaRequest:
         """What the replica needs for a validated OpenAI request `req` resolved to `spec` and `records`, its
         sampling built and validated here, once (a bad value is a 400 before any replica is asked); the
         caller's tenant goes along for the replica's fair admission. 400 when prompts x n exceeds the
-        per-request cap (AppConfig.max_sequences_per_request): one request must not fill every tenant's queue."""
+        per-request cap (AppConfig.max_sequences_per_request): one request must not fill every tenant's queue.
+        `tools`: a chat's tool plan (tool_calls.plan_of's, made here when not given): the template gets its
+        tools, and a required or named call constrains the output (tool_calls.py)."""
+        plan = tools if tools is not None or not chat else tool_calls.plan_of(req)
+        sampling = samp.sampling_of(req)
+        if plan is not None and plan.constrained:
+            tool_calls.check_constraint(req, plan)
+            sampling["response_format"] = plan.constraint()
         prompts = () if chat else tuple(p if isinstance(p, str) else tuple(p) for p in bodies.prompts_of(req))
         cap = self.cfg.max_sequences_per_request
         if max(1, len(prompts)) * req.n > cap:
@@ -129,8 +139,9 @@ class IngressService:
             spec=spec,
             records=tuple(records),
             prompts=prompts,
-            messages=tuple(bodies.messages_of(req)) if chat else None,
-            sampling=SamplingParams.from_kwargs(**samp.sampling_of(req)),
+            messages=tuple(tool_calls.chat_messages(req)) if chat else None,
+            tools=plan.tools if plan is not None else (),
+            sampling=SamplingParams.from_kwargs(**sampling),
             n=req.n,
             tenant=caller.tenant if caller is not None else None,
             echo=bool(getattr(req, "echo", False)) and not chat,

@@ -27,6 +27,7 @@ from app.config.settings import Settings
 from app.router.http import openai_requests as bodies
 from app.router.http import openai_responses as resp
 from app.router.http import openai_validation as checks
+from app.router.http import tool_calls
 from app.router.http.auth import Authenticator
 from app.router.http.body_limit import BodyLimit
 from app.router.http.errors import HTTPFailure, error_reply
@@ -35,6 +36,7 @@ from app.router.http.quota_routes import add_quota_routes
 from app.router.http.quotas import QuotaLimiter
 from app.router.http.status_page import add_status_routes
 from app.router.http.tokenize_routes import add_tokenize_routes
+from app.router.http.tool_stream import ToolOutput
 from app.router.routing.replica_client import ReplicaStream, ServeBackend
 from app.router.service import CatalogProxy, IngressService
 
@@ -89,18 +91,22 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
         req = checks.validate(
             bodies.ChatRequest if chat else bodies.CompletionRequest, bodies.parse_body(await request.body())
         )
+        plan = tool_calls.plan_of(req) if chat else None  # bad tools are a 400 before anything is resolved
         spec, records = await service.resolve(req.model, caller)
         obs.resolved(spec)
         rid = resp.new_id("chatcmpl" if chat else "cmpl")
-        stream = service.stream(service.request(req, spec, records, chat, rid, caller))
+        stream = service.stream(service.request(req, spec, records, chat, rid, caller, tools=plan))
         stream = await quotas.admit(stream)  # 429 over a tenant's or adapter's quota
+        tools = ToolOutput(plan) if plan is not None and plan.parses else None
         if req.stream:
-            return await _stream(service, req, stream, rid, chat, obs)
+            return await _stream(service, req, stream, rid, chat, obs, tools)
         choices = await stream.collect()
         obs.finish(200, stream, req.n)
         body = resp.completion_response(
             rid, req.model, [choices[i] for i in sorted(choices)], service.usage_of(choices, req.n), chat
         )
+        if tools is not None:
+            tools.shape(body)
         return JSONResponse(body, headers={REPLICA_HEADER: stream.replica or ""})
 
     def guarded(fn):
@@ -185,7 +191,13 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
 
 
 async def _stream(
-    service: IngressService, req: Any, stream: ReplicaStream, rid: str, chat: bool, obs: RequestObserver
+    service: IngressService,
+    req: Any,
+    stream: ReplicaStream,
+    rid: str,
+    chat: bool,
+    obs: RequestObserver,
+    tools: ToolOutput | None = None,
 ) -> Response:
     # The first output is awaited before answering, so errors found at admission (unknown adapter, prompt too
     # long, queue full) get their real status code instead of a 200 with an error event.
@@ -208,7 +220,8 @@ async def _stream(
                     chunk = resp.stream_chunk(
                         rid, req.model, idx, text, reason, chat, idx not in started, logprobs
                     )
-                    yield resp.sse(chunk)
+                    for c in tools.chunks(chunk, text, idx not in started) if tools else [chunk]:
+                        yield resp.sse(c)
                     started.add(idx)
                 item = await stream.next()
             done = True

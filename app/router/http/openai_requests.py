@@ -57,6 +57,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: Any = None  # an assistant's calls; tool_calls.py checks them
+    tool_call_id: Any = None  # a tool message's: the call it answers
+    name: str | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -64,6 +67,9 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0)
+    tools: Any = None  # [{"type": "function", "function": {...}}]: checked in tool_calls.py
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: StrictBool | None = None
 
 
 # pydantic reports only one branch of a union; say what the field accepts instead.
