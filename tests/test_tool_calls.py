@@ -230,16 +230,17 @@ def test_required_calls_always_parse_and_validate(http):
                     parallel_tool_calls=i % 4 != 0,
                     temperature=1.0,
                     seed=i,
-                    max_tokens=320,
+                    max_tokens=480,  # the random model may call up to ~5 functions, ~60 tokens each
                 )
                 for i in range(20)
             ]
             return await asyncio.gather(*jobs)
 
-    for r in asyncio.run(go()):
+    for i, r in enumerate(asyncio.run(go())):
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.content is None and choice.message.tool_calls, choice
+        assert i % 4 != 0 or len(choice.message.tool_calls) == 1  # parallel_tool_calls=False
         for call in choice.message.tool_calls:
             _check_call(call)
 
@@ -271,10 +272,9 @@ def test_named_choice_and_auto_and_none(http):
         assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
 
 
-def test_streamed_required_call_reassembles_to_the_whole_reply(http):
-    kw = dict(
-        model="pub", messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=320
-    )
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7, "n": 2}])
+def test_streamed_required_call_reassembles_to_the_whole_reply(http, sampling):
+    kw = dict(model="pub", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=480, **sampling)
 
     async def go():
         async with _client(http) as client:
@@ -283,26 +283,29 @@ def test_streamed_required_call_reassembles_to_the_whole_reply(http):
             return whole, chunks
 
     whole, chunks = asyncio.run(go())
-    calls: dict[int, dict] = {}
-    finish = None
+    calls: dict[int, dict[int, dict]] = {}
+    finish: dict[int, str] = {}
     for c in chunks:
-        delta = c.choices[0].delta
-        assert not delta.content
-        for t in delta.tool_calls or ():
-            if t.index not in calls:  # the first delta of a call names it
+        choice = c.choices[0]
+        assert not choice.delta.content
+        got = calls.setdefault(choice.index, {})
+        for t in choice.delta.tool_calls or ():
+            if t.index not in got:  # the first delta of a call names it
                 assert t.id and t.type == "function" and t.function.name
-                calls[t.index] = {"name": t.function.name, "arguments": t.function.arguments or ""}
+                got[t.index] = {"name": t.function.name, "arguments": t.function.arguments or ""}
             else:
                 assert t.id is None and t.function.name is None
-                calls[t.index]["arguments"] += t.function.arguments
-        finish = c.choices[0].finish_reason or finish
-    want = [
-        {"name": t.function.name, "arguments": t.function.arguments}
-        for t in whole.choices[0].message.tool_calls
-    ]
-    assert [calls[i] for i in sorted(calls)] == want
-    assert finish == whole.choices[0].finish_reason == "tool_calls"
-    assert len([c for c in chunks if c.choices[0].delta.tool_calls]) > len(want)  # arguments came in pieces
+                got[t.index]["arguments"] += t.function.arguments
+        finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert len(whole.choices) == len(calls) == sampling.get("n", 1)
+    for choice in whole.choices:
+        want = [
+            {"name": t.function.name, "arguments": t.function.arguments} for t in choice.message.tool_calls
+        ]
+        got = calls[choice.index]
+        assert [got[i] for i in sorted(got)] == want
+        assert finish[choice.index] == choice.finish_reason == "tool_calls"
+    assert len([c for c in chunks if c.choices[0].delta.tool_calls]) > len(calls)  # arguments came in pieces
 
 
 BAD = [
