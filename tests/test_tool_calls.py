@@ -168,6 +168,34 @@ def test_choice_deltas_have_openai_shape_and_reassemble_to_the_message():
     assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
 
 
+def test_auto_stream_chunks_carry_role_first_and_finish_last():
+    from app.router.http.openai_responses import stream_chunk
+    from app.router.http.tool_stream import ToolOutput
+
+    out = ToolOutput(_plan(tools=TOOLS))
+    text = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    pieces = [text[i : i + 9] for i in range(0, len(text), 9)]
+    chunks = []
+    for k, piece in enumerate(pieces):
+        reason = "stop" if k == len(pieces) - 1 else None
+        base = stream_chunk("id", "m", 0, piece, reason, True, k == 0)
+        chunks += out.chunks(base, piece, k == 0)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure."
+    calls = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert calls == [{"index": 0, "id": calls[0]["id"], "type": "function",
+                      "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]  # fmt: skip
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[-1] == "tool_calls" and not any(reasons[:-1])
+    body = {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]
+    }
+    msg = ToolOutput(_plan(tools=TOOLS)).shape(body)["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and msg["message"]["content"] == "Sure."
+    assert msg["message"]["tool_calls"][0]["function"] == calls[0]["function"]
+
+
 def test_chat_template_gets_the_tools_and_the_call_messages():
     from transformers import PreTrainedTokenizerFast
 
