@@ -1,6 +1,7 @@
 """Qwen3-MoE against transformers (+ PEFT), fp32 greedy tokens identical: the grouped experts (one GEMM pair per
-expert) against transformers' own sparse block, base prompts that reach every expert, attention LoRA mixed with
-base in one batch, and LoRA on the experts / router / MLP refused by name."""
+expert) against transformers' own sparse block, base prompts that reach every expert, attention LoRA and LoRA on
+the fused expert weights (PEFT target_parameters) mixed with base in one batch, and LoRA on the router, dense
+MLP weights or per-expert modules refused by name."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import torch
 
 from app.config.model_config import ATTN_MODULES, ModelConfig
 from app.errors import InvalidAdapter
+from app.replica.lora import pools
 from app.replica.lora.peft_format import read_adapter
 from app.replica.models.moe import MoE
 from loraland import LLMKernel
 from tests.fixtures.adapters import make_peft_adapter, peft_model_with
-from tests.fixtures.moe_models import build_moe_model
+from tests.fixtures.moe_models import build_moe_model, make_expert_adapter
 from tests.hf_oracle import hf_greedy
 
 MAX_NEW = 8
 ATTN = list(ATTN_MODULES)
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def _prompts(tok, n, lo, hi, seed=0):
@@ -52,7 +55,21 @@ def moe(tmp_path_factory):
             seed=2,
             std=0.1,
         ),  # fmt: skip
-    }
+        # LoRA on the experts: both fused weights, r=4; attention too at r=8 with both weights; only down_proj
+        # with rslora at r=2; PEFT's own conversion of MLP targets (gate_up_proj at r=6 through rank_pattern)
+        "ex-r4": make_expert_adapter(model_dir, root / "ex-r4", r=4, alpha=8, target_parameters=EXPERTS, seed=3),
+        "ex-attn-r8": make_expert_adapter(
+            model_dir, root / "ex-attn-r8", r=8, alpha=8, target_parameters=EXPERTS, target_modules=ATTN, seed=4,
+            std=0.05,
+        ),
+        "ex-down-r2-rs": make_expert_adapter(
+            model_dir, root / "ex-down-r2-rs", r=2, alpha=4, target_parameters=["down_proj"], use_rslora=True, seed=5,
+            std=0.2,
+        ),
+        "ex-mlp-r3": make_expert_adapter(
+            model_dir, root / "ex-mlp-r3", r=3, alpha=6, target_modules=["gate_proj", "up_proj", "down_proj"], seed=6,
+        ),
+    }  # fmt: skip
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     prompts = _prompts(tok, 12, 2, 30)
     return root, model_dir, adapters, prompts
@@ -118,6 +135,7 @@ def test_base_tokens_match_transformers_and_reach_every_expert(moe):
 
 def test_attention_lora_mixed_with_base_matches_peft(moe):
     _, model_dir, adapters, prompts = moe
+    adapters = {n: adapters[n] for n in ("attn-r8", "qv-r4-rs")}
     peft = peft_model_with(model_dir, adapters)
     names = list(adapters)
     ids = [None if i % 3 == 0 else names[i % 2] for i in range(len(prompts))]
@@ -131,6 +149,68 @@ def test_attention_lora_mixed_with_base_matches_peft(moe):
     assert [o.token_ids for o in outs] == refs
     base = {tuple(r) for r, a in zip(refs, ids) if a is None}
     assert any(tuple(r) not in base for r, a in zip(refs, ids) if a is not None)  # the adapters do something
+
+
+def test_expert_lora_mixed_with_base_matches_peft_and_reaches_every_expert(moe, monkeypatch):
+    """Four adapters with LoRA on the experts (ranks 2 to 8, one with attention LoRA too, one on down_proj only,
+    one with a rank_pattern) and the base model, mixed in every step's batch (chunked prefill beside decodes):
+    greedy tokens equal transformers + PEFT's (one adapter per generate call there: PEFT's ParamWrapper takes no
+    mixed batches, and folds its delta into the expert weights, W + s*B@A, where we add x A^T B^T to the
+    unfolded GEMM: the same greedy tokens in fp32 on this model). Every expert of both sparse layers runs the
+    LoRA of adapter tokens."""
+    import transformers
+    from peft import PeftModel
+
+    _, model_dir, adapters, prompts = moe
+    names = ["ex-r4", "ex-attn-r8", "ex-down-r2-rs", "ex-mlp-r3"]
+    ids = [None if i % 5 == 0 else names[i % 4] for i in range(len(prompts))]
+    refs = []
+    for p, a in zip(prompts, ids):
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = base if a is None else PeftModel.from_pretrained(base, adapters[a]).eval()
+        refs.append(hf_greedy(model, p, MAX_NEW))
+    reached: dict[tuple[int, str], set[int]] = {}
+
+    def spy(plans, cache, layer, which, *args):
+        apply_experts(plans, cache, layer, which, *args)
+        for (lay, _), (_, _, sub) in cache.items():
+            if lay == layer and sub is not None:
+                reached.setdefault((layer, which), set()).update(v % 8 for v in sub.slots)
+
+    apply_experts = pools.apply_experts
+    monkeypatch.setattr(pools, "apply_experts", spy)
+    with LLMKernel(
+        model_dir, dtype="float32", num_kv_blocks=48, block_size=4, max_num_batched_tokens=24
+    ) as k:
+        for name in names:
+            k.load_adapter(name, adapters[name])
+        outs = k.complete(prompts, ids, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == refs
+    assert {key: sorted(v) for key, v in reached.items()} == {
+        (li, w): list(range(8)) for li in (0, 2) for w in ("gate_up", "down")
+    }
+    base = {tuple(r) for r, a in zip(refs, ids) if a is None}
+    assert all(tuple(r) not in base for r, a in zip(refs, ids) if a is not None)  # the adapters do something
+
+
+def test_expert_lora_is_read_in_pefts_layout(moe):
+    """Expert e's factors as PEFT's ParamWrapper computes its delta (get_delta_weight: W_e + s * B_e A_e)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir, adapters, _ = moe
+    mc = ModelConfig.from_folder(model_dir)
+    lw = read_adapter(adapters["ex-mlp-r3"], mc)
+    assert sorted(lw.expert_tensors) == [(0, "down"), (0, "gate_up"), (2, "down"), (2, "gate_up")]
+    assert lw.expert_tensors[(0, "gate_up")][0].shape == (8, 64, 6)  # rank_pattern doubles gate_up_proj's
+    assert lw.expert_tensors[(0, "down")][1].shape == (8, 3, 64)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, adapters["ex-mlp-r3"])
+    wrapper = peft.base_model.model.model.layers[2].mlp.experts  # down_proj wraps gate_up_proj's wrapper
+    for w, g in ((wrapper, "down"), (wrapper.base_layer, "gate_up")):
+        a, b = lw.expert_tensors[(2, g)]
+        want = w.get_delta_weight("default")  # [E, out, in]
+        torch.testing.assert_close(torch.bmm(a, b).transpose(1, 2), want, rtol=1e-5, atol=1e-6)
 
 
 def _edited(src, dst, **changes):
@@ -147,20 +227,34 @@ def test_expert_router_and_mlp_lora_are_refused_by_name(moe):
     mc = ModelConfig.from_folder(model_dir)
     good = adapters["attn-r8"]
     cases = {
-        # PEFT's LoRA on the fused 3-D expert parameters
-        "params": (
-            _edited(good, root / "params", target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
-            "target_parameters=.*not supported yet; attention LoRA",
+        # target_parameters on the router, a dense layer's MLP weight, an attention weight: only experts served
+        "router-param": (
+            _edited(good, root / "router-param", target_parameters=["mlp.gate.weight"]),
+            r"'mlp.gate.weight' matches model\.layers\.0\.mlp\.gate\.weight: LoRA on raw parameters is served "
+            r"only on a mixture-of-experts model's experts",
         ),
-        # PEFT itself turns gate/up/down targets on a transformers 5 MoE into target_parameters on the experts
-        "peft-mlp": (
-            make_peft_adapter(model_dir, root / "peft-mlp", r=4, alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
-            "target_parameters=.*not supported yet",
+        "dense-param": (
+            _edited(good, root / "dense-param", target_parameters=["mlp.experts.down_proj", "down_proj.weight"]),
+            r"matches model\.layers\.1\.mlp\.down_proj\.weight: LoRA on raw parameters",
+        ),
+        "unknown-param": (
+            _edited(good, root / "unknown-param", target_parameters=["mlp.experts.w13"]),
+            "'mlp.experts.w13' matches no parameter of the base model",
+        ),
+        # the config names expert parameters the file has no tensors for
+        "params-missing": (
+            _edited(good, root / "params-missing", target_parameters=EXPERTS),
+            r"no lora_A for layer 0's experts (down|gate_up): the file is incomplete",
+        ),
+        "expert-dora": (
+            _edited(adapters["ex-r4"], root / "expert-dora", use_dora=True),
+            "use_dora=true with target_parameters",
         ),
         # an adapter trained where experts were modules (transformers 4), or on the dense layer's MLP
         "mlp-modules": (
             _edited(good, root / "mlp-modules", target_modules=["q_proj", "down_proj"]),
-            r"matches model\.layers\.0\.mlp\.experts\.0\.down_proj: LoRA on a mixture-of-experts model's MLP",
+            r"matches model\.layers\.0\.mlp\.experts\.0\.down_proj: LoRA on a mixture-of-experts model's MLP "
+            r"modules .* through target_parameters",
         ),
         "router": (
             _edited(good, root / "router", target_modules=["q_proj", "gate"]),
@@ -176,8 +270,8 @@ def test_expert_router_and_mlp_lora_are_refused_by_name(moe):
             read_adapter(folder, mc)
     read_adapter(_edited(good, root / "excluded", target_modules=r".*proj", exclude_modules=r".*mlp.*"), mc)
     with LLMKernel(model_dir, dtype="float32", num_kv_blocks=32) as k:
-        with pytest.raises(InvalidAdapter, match="not supported yet"):
-            k.load_adapter("params", cases["params"][0])
+        with pytest.raises(InvalidAdapter, match="served only on a mixture-of-experts model's experts"):
+            k.load_adapter("router-param", cases["router-param"][0])
 
 
 def test_fused_expert_weights_load_as_the_per_expert_ones(moe, tmp_path):

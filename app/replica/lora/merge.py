@@ -44,6 +44,11 @@ def merge_adapters(
                 f"adapter {lw.name!r} is a DoRA adapter (use_dora): merging DoRA adapters is not supported "
                 "(PEFT's add_weighted_adapter ignores their magnitude vectors); serve it on its own"
             )
+        if lw.expert_tensors:
+            raise InvalidRequest(
+                f"adapter {lw.name!r} adapts a mixture-of-experts model's experts (target_parameters): merging "
+                "such adapters is not supported yet; serve it on its own"
+            )
         if lw.touches_vocab:
             raise InvalidRequest(
                 f"adapter {lw.name!r} adapts embed_tokens/lm_head (LoRA on them or modules_to_save): merging such "

@@ -32,8 +32,6 @@ _REFUSED_FIELDS = {
     "trainable_token_indices": "it trains selected embedding rows (TrainableTokens); not supported: use LoRA on "
     "embed_tokens or modules_to_save",
     "layer_replication": "it duplicates decoder layers, which changes the base model",
-    "target_parameters": "LoRA on raw parameters (mixture-of-experts experts' gate_up_proj/down_proj) is not "
-    "supported yet; attention LoRA (target_modules q_proj, k_proj, v_proj, o_proj) is",
     "use_qalora": "QA-LoRA pools the input; not supported",
     "alora_invocation_tokens": "activated LoRA switches on mid-sequence; not supported",
     "megatron_config": "Megatron-parallel LoRA layers are not supported",
@@ -290,9 +288,10 @@ def _refuse_moe_mlp(folder: Path, wanted: str | list[str], exclude: Any, model: 
     if hit is not None:
         raise refuse(
             folder,
-            f"target_modules={wanted!r} matches {hit}: LoRA on a mixture-of-experts model's MLP (experts, router "
-            f"'gate', dense gate/up/down_proj) is not supported yet; attention LoRA ({', '.join(ATTN_MODULES)}) "
-            "is served",
+            f"target_modules={wanted!r} matches {hit}: LoRA on a mixture-of-experts model's MLP modules (experts, "
+            f"router 'gate', dense gate/up/down_proj) is not supported; attention LoRA ({', '.join(ATTN_MODULES)}) "
+            "is served, and the experts' fused weights through target_parameters (mlp.experts.gate_up_proj, "
+            "mlp.experts.down_proj)",
         )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from app.config.kernel_config import KernelConfig
 from app.config.model_config import FUSED_MODULES, TARGET_MODULES, ModelConfig
 from app.files import sha256_file
+from app.replica.lora import experts as X
 from app.replica.lora import peft_config as C
 from app.replica.lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, refuse
 from app.replica.lora.weights import LoraWeights, Tensors, pad_ranks, split_fused
@@ -122,8 +123,10 @@ def read_adapter(
         raise refuse(
             folder, f"{WEIGHTS_FILE} is {weights.stat().st_size} bytes, over the {max_bytes}-byte limit"
         )
-    ranks = C.ranks(folder, cfg, model)
-    vranks, vscales = C.vocab_ranks_scales(folder, cfg, model)
+    xtargets = X.expert_targets(folder, cfg, model)
+    only_experts = bool(xtargets) and not cfg.get("target_modules")  # PEFT's MoE MLP: target_parameters only
+    ranks = {} if only_experts else C.ranks(folder, cfg, model)
+    vranks, vscales = ({}, {}) if only_experts else C.vocab_ranks_scales(folder, cfg, model)
     saved = C.saved_modules(folder, cfg, C.module_names(model))
     if cfg.get("ensure_weight_tying") and (saved or vranks) and model.tie_word_embeddings:
         raise refuse(
@@ -138,7 +141,7 @@ def read_adapter(
             folder,
             f"{sorted(both)[0]} is in both target_modules and modules_to_save: PEFT trains one or the other",
         )
-    top = max([*ranks.values(), *vranks.values()])
+    top = max([*ranks.values(), *vranks.values(), *(r for r, _ in xtargets.values())])
     if top > max_rank:
         raise refuse(folder, f"r={top} (r/rank_pattern) exceeds max_lora_rank={max_rank}: use a smaller rank")
     scales = C.scales(folder, cfg, model, ranks)
@@ -153,10 +156,11 @@ def read_adapter(
             vkeys: dict[tuple[str, str], str] = {}
             tensors, magnitude = _read_tensors(folder, f, model, ranks, use_dora, vkeys)
             vocab, copies, base_layers = _read_vocab(folder, f, model, vkeys, vranks, saved)
+            experts = X.read_expert_tensors(folder, f, model, xtargets)
     except SafetensorError as e:
         raise refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
     every = [*scales.values(), *vscales.values()]
-    scale = every[0]
+    scale = every[0] if every else 1.0  # expert LoRA carries its scales folded into B
     folded = any(s != scale for s in every)
     if folded:  # alpha/rank patterns: fold each module's scale into its A
         tensors = {k: (a * scales[k], b) for k, (a, b) in tensors.items()}
@@ -167,12 +171,12 @@ def read_adapter(
     tensors = split_fused(padded, model.linear_shapes())
     return LoraWeights(
         name=name or folder.name,
-        rank=max(a.shape[0] for a, _ in [*tensors.values(), *vocab.values()]),
+        rank=top,
         alpha=float(cfg["lora_alpha"]),
         use_rslora=bool(cfg.get("use_rslora")),
         scale=scale,
         target_modules=frozenset(m for _, m in tensors),
-        layers=tuple(sorted({lay for lay, _ in tensors})),
+        layers=tuple(sorted({lay for lay, _ in [*tensors, *experts]})),
         tensors=tensors,
         source=str(folder),
         magnitude=magnitude if use_dora else None,
@@ -180,6 +184,7 @@ def read_adapter(
         vocab_tensors=vocab,
         vocab_copies=copies,
         base_layers=base_layers,
+        expert_tensors=experts,
     )
 
 
@@ -226,7 +231,7 @@ def _read_tensors(
     data is read."""
 
     shapes = model.linear_shapes()
-    keys = _parse_keys(folder, list(f.keys()), vocab)
+    keys = _parse_keys(folder, [k for k in f.keys() if not X.is_expert_key(k)], vocab)
     _check_keys(folder, keys, model, ranks)
     magnitude = _read_magnitudes(folder, f, keys, ranks, shapes, use_dora)
     tensors = {}
@@ -369,7 +374,7 @@ def adapter_summary(folder: str | Path) -> dict:
     try:
         with safe_open(folder / WEIGHTS_FILE, framework="pt", device="cpu") as f:
             vocab: dict[tuple[str, str], str] = {}
-            keys = _parse_keys(folder, list(f.keys()), vocab)
+            keys = _parse_keys(folder, [k for k in f.keys() if not X.is_expert_key(k)], vocab)
     except SafetensorError as e:
         raise refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
     files = {n: sha256_file(folder / n) for n in (CONFIG_FILE, WEIGHTS_FILE)}

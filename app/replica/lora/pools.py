@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from loraland_kernels import lora as K
 
 from app.config.model_config import ModelConfig
+from app.replica.lora.experts import ExpertWeights, apply_experts, expert_shapes
 from app.replica.lora.group_weights import GROUPS, GroupWeights
 from app.replica.lora.weights import LoraWeights
 
@@ -39,6 +40,7 @@ class Signature(NamedTuple):
     dora: bool = False
     vocab: tuple[tuple[str, int], ...] = ()  # LoRA on embed_tokens/lm_head: (module, rank)
     copies: tuple[str, ...] = ()  # modules_to_save: modules held whole per slot
+    experts: tuple[tuple[int, str, int], ...] = ()  # LoRA on MoE experts: (layer, "gate_up"|"down", rank)
 
 
 class Pool:
@@ -90,6 +92,11 @@ class Pool:
                             dtype, device)
             for m, r in signature.vocab
         }  # fmt: skip
+        xs = expert_shapes(cfg) if signature.experts else {}
+        self.expert_groups = {
+            (layer, g): ExpertWeights(self.cap, cfg.num_experts, xs[g][0], r, xs[g][1], dtype, device)
+            for layer, g, r in signature.experts
+        }
         self.copies: dict[str, dict[int, torch.Tensor]] = {m: {} for m in signature.copies}
         self.copy_bytes = len(signature.copies) * V * H * torch.empty(0, dtype=dtype).element_size()
         self.dtype, self.device = dtype, device
@@ -101,13 +108,13 @@ class Pool:
 
     def nbytes_per_slot(self) -> int:
         """A slot's bytes: its LoRA tensors, and its full copies (modules_to_save) when the pool holds any."""
-        groups = [*self.groups.values(), *self.vocab_groups.values()]
+        groups = [*self.groups.values(), *self.vocab_groups.values(), *self.expert_groups.values()]
         return sum(g.nbytes_per_slot() for g in groups) + self.copy_bytes
 
     def install(self, lw: LoraWeights) -> int:
         if not self.free:
             new_cap = min(self.max_slots, self.cap * 2)
-            for g in [*self.groups.values(), *self.vocab_groups.values()]:
+            for g in [*self.groups.values(), *self.vocab_groups.values(), *self.expert_groups.values()]:
                 g.grow(new_cap)
             self.free = list(range(new_cap - 1, self.cap - 1, -1))
             self.cap = new_cap
@@ -135,6 +142,8 @@ class Pool:
             (p,), (a, b) = gw.parts, lw.vocab_tensors[m]
             gw.A[slot].copy_(a.t())
             torch.mul(b.t(), lw.scale, out=p.B[slot])
+        for key, xw in self.expert_groups.items():
+            xw.install(slot, *lw.expert_tensors[key])
         for m, held in self.copies.items():
             held[slot] = lw.vocab_copies[m].to(device=self.device, dtype=self.dtype, copy=True)
         self.used.add(slot)
@@ -153,6 +162,7 @@ def signature(lw: LoraWeights) -> Signature:
         lw.is_dora,
         tuple(sorted((m, a.shape[0]) for m, (a, _) in lw.vocab_tensors.items())),
         tuple(sorted(lw.vocab_copies)),
+        tuple(sorted((layer, g, a.shape[2]) for (layer, g), (a, _) in lw.expert_tensors.items())),
     )
 
 
@@ -170,6 +180,21 @@ class LoraBatch:
 
     def __init__(self, plans: list[PoolPlan]):
         self.plans = plans
+        self._expert_pairs: dict = {}  # (layer, pool index) -> that layer's pairs sorted by virtual slot
+
+    def apply_experts(
+        self,
+        layer: int,
+        which: str,
+        x_pairs: torch.Tensor,
+        pair_expert: torch.Tensor,
+        pair_token: torch.Tensor,
+        out_pairs: torch.Tensor,
+    ) -> None:
+        """LoRA on a mixture-of-experts layer's experts (app/replica/lora/experts.py's apply_experts)."""
+        apply_experts(
+            self.plans, self._expert_pairs, layer, which, x_pairs, pair_expert, pair_token, out_pairs
+        )
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[:, fused columns] += the LoRA deltas of `group` in `layer`: one shrink per pool, then one expand

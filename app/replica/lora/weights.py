@@ -56,6 +56,9 @@ class LoraWeights:
     vocab_copies: dict[str, torch.Tensor] = field(default_factory=dict)
     # module -> the base weight [vocab, hidden] saved beside a LoRA on it (save_embedding_layers), unresolved
     base_layers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # LoRA on a mixture-of-experts layer's experts (PEFT target_parameters; app/replica/lora/experts.py):
+    # (layer, "gate_up"|"down") -> (A [E, in, r], scale * B [E, r, out]), the device pool's layout, scale folded
+    expert_tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def touches_vocab(self) -> bool:
@@ -77,6 +80,10 @@ class LoraWeights:
         )
         own += sum(
             t.numel() * t.element_size() for t in (*self.vocab_copies.values(), *self.base_layers.values())
+        )
+        own += sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size()
+            for a, b in self.expert_tensors.values()
         )
         return own + sum(m.numel() * m.element_size() for m in (self.magnitude or {}).values())
 

@@ -12,6 +12,19 @@ class LoraHook(Protocol):
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add every targeted adapter's delta for linear `group` ("qkv", "o", "gate_up", "down") into out."""
 
+    def apply_experts(
+        self,
+        layer: int,
+        which: str,
+        x_pairs: torch.Tensor,
+        pair_expert: torch.Tensor,
+        pair_token: torch.Tensor,
+        out_pairs: torch.Tensor,
+    ) -> None:
+        """Mixture-of-experts layers: add each pair's adapter's expert delta for `which` ("gate_up" on the layer
+        input, before the activation; "down" on the activated input, before the routing weight) into out_pairs.
+        Pair i is (token pair_token[i], expert pair_expert[i]); the pairs come sorted by expert."""
+
     def embed(self, ids: torch.Tensor, h: torch.Tensor) -> None:
         """h = the base embedding of ids [T]: apply each token's adapter's embed_tokens (LoRA or copy) in place."""
 

@@ -149,8 +149,8 @@ class Model:
                 lora.apply(li, "o", attn, o)
             h.add_(o if L.attn_out_norm is None else L.attn_out_norm(o))
             x = L.mlp_norm(h)
-            if L.moe is not None:  # no LoRA on experts or router (refused at adapter load)
-                dn = L.moe(x)
+            if L.moe is not None:  # LoRA on the experts (never the router: refused at adapter load)
+                dn = L.moe(x, lora, li)
             else:
                 gu = L.gate_up(x)
                 if lora is not None:

@@ -15,11 +15,15 @@ are scattered back with one index_add_. The Python loop runs over experts (tens 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from app.replica.models.norms import act_mul_
+
+if TYPE_CHECKING:
+    from app.replica.models.batch import LoraHook
 
 # Called with each layer's top-k expert ids [T, k] when set (tests: which experts a batch reaches).
 RouteHook = Callable[[torch.Tensor], None]
@@ -59,8 +63,10 @@ class MoE:
             top /= top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), experts
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H], a fresh tensor (the caller adds it to the residual)."""
+    def __call__(self, x: torch.Tensor, lora: LoraHook | None = None, layer: int = 0) -> torch.Tensor:
+        """x [T, H] -> [T, H], a fresh tensor (the caller adds it to the residual). With `lora`, each pair's
+        adapter's expert deltas are added to the gate_up output (before the activation) and to the down output
+        (before the routing weight) of every expert at once, between per-expert GEMMs."""
         weights, experts = self.route(x)
         if self.on_route is not None:
             self.on_route(experts)
@@ -74,12 +80,29 @@ class MoE:
         xs = x.index_select(0, rows)
         ws = weights.t().flatten().index_select(0, order).unsqueeze(1)
         ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            end = start + n
-            m = act_mul_(F.linear(xs[start:end], self.gate_up[e]), self.act)
-            torch.mul(F.linear(m, self.down[e]), ws[start:end], out=ys[start:end])
-            start = end
-        return torch.zeros_like(x).index_add_(0, rows, ys)
+        spans = [(e, s, s + n) for e, s, n in zip(range(len(counts)), _starts(counts), counts) if n]
+        if lora is None:
+            for e, s, t in spans:
+                m = act_mul_(F.linear(xs[s:t], self.gate_up[e]), self.act)
+                torch.mul(F.linear(m, self.down[e]), ws[s:t], out=ys[s:t])
+            return torch.zeros_like(x).index_add_(0, rows, ys)
+        # the same GEMMs, in two passes so the LoRA deltas see every expert's rows together
+        pair_expert = flat.index_select(0, order)
+        gu = xs.new_empty(xs.shape[0], self.gate_up.shape[1])
+        for e, s, t in spans:
+            gu[s:t] = F.linear(xs[s:t], self.gate_up[e])
+        lora.apply_experts(layer, "gate_up", xs, pair_expert, rows, gu)
+        ms = xs.new_empty(xs.shape[0], self.down.shape[2])
+        for e, s, t in spans:
+            ms[s:t] = act_mul_(gu[s:t], self.act)
+            ys[s:t] = F.linear(ms[s:t], self.down[e])
+        lora.apply_experts(layer, "down", ms, pair_expert, rows, ys)
+        return torch.zeros_like(x).index_add_(0, rows, ys.mul_(ws))
+
+
+def _starts(counts: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in counts:
+        out.append(s)
+        s += n
+    return out

@@ -1,0 +1,221 @@
+"""LoRA on a mixture-of-experts model's experts: PEFT's `target_parameters` on the fused 3-D expert weights as
+transformers 5 holds them (Qwen3-MoE: `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
+
+PEFT's ParamWrapper on a 3-D parameter [E, out, in] keeps one lora_A [r*E, in] and one lora_B [out, r*E]; expert
+e's factors are A_e = A.reshape(E, r, in)[e] and B_e = B.reshape(out, r, E)[:, :, e], and its weight becomes
+W_e + scale * B_e A_e. Several targeted parameters of one module nest their wrappers in the module's parameter
+order (gate_up_proj innermost): the saved keys are `experts.lora_A.weight` for the outermost,
+`experts.base_layer.lora_A.weight` for the next, and so on. rank_pattern/alpha_pattern keys match the parameter's
+full name (`model.layers.3.mlp.experts.gate_up_proj`), as PEFT matches them.
+
+On the device an adapter slot s of a pool holds its experts as virtual slots s*E + e of one tensor per (layer,
+parameter): A [cap*E, in, r], B [cap*E, r, out] with the scale folded into B. The MoE forward hands the
+expert-sorted (token, expert) pairs to `apply_experts`, which sorts each pool's pairs by virtual slot and runs the
+grouped kernels (kernels/loraland_kernels/lora.py) over them, then adds the delta back at the pairs' places.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app.config.model_config import ModelConfig
+from app.replica.lora.peft_config import _pattern_value, refuse
+
+if TYPE_CHECKING:
+    import torch
+
+# served parameters, in the order PEFT nests their wrappers (the module's parameter order), -> group name
+EXPERT_PARAMS = {"gate_up_proj": "gate_up", "down_proj": "down"}
+
+_EXPERT_KEY = re.compile(
+    r"^(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<nest>(?:base_layer\.)*)lora_(?P<ab>A|B)"
+    r"(?:\.[\w\-]+)?\.weight$"
+)
+
+
+def is_expert_key(key: str) -> bool:
+    return ".mlp.experts." in key
+
+
+def _param_names(model: ModelConfig) -> list[str]:
+    """Every parameter of the base model as PEFT's target_parameters sees it (full dotted names)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for i in range(model.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if model.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if model.is_moe and model.moe_layers[i]:
+            names += [p + "mlp.gate.weight"] + [p + f"mlp.experts.{n}" for n in EXPERT_PARAMS]
+        else:
+            names += [p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def expert_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of one expert's linear per served parameter."""
+    H, Im = model.hidden_size, model.moe_intermediate_size
+    return {"gate_up": (H, 2 * Im), "down": (Im, H)}
+
+
+def expert_targets(
+    folder: Path, cfg: dict[str, Any], model: ModelConfig
+) -> dict[tuple[int, str], tuple[int, float]]:
+    """(layer, "gate_up"|"down") -> (rank, scale) of every expert parameter `target_parameters` names; any other
+    parameter it matches (router, a dense layer's or attention's 2-D weight, ...) is refused by name."""
+    wanted = cfg.get("target_parameters")
+    if not wanted:
+        return {}
+    if not isinstance(wanted, list) or not all(isinstance(t, str) and t for t in wanted):
+        raise refuse(folder, f"target_parameters={wanted!r} must be a list of parameter names")
+    for key in ("layers_to_transform", "exclude_modules"):
+        if cfg.get(key) not in (None, [], ""):
+            raise refuse(folder, f"{key} together with target_parameters is not supported; train without it")
+    if cfg.get("use_dora"):
+        raise refuse(folder, "use_dora=true with target_parameters: PEFT has no DoRA on raw parameters")
+    names = _param_names(model)
+    out: dict[tuple[int, str], tuple[int, float]] = {}
+    for t in wanted:
+        hits = [n for n in names if n == t or n.endswith("." + t)]
+        if not hits:
+            raise refuse(folder, f"target_parameters entry {t!r} matches no parameter of the base model")
+        for n in hits:
+            layer, _, rest = n.removeprefix("model.layers.").partition(".")
+            param = rest.removeprefix("mlp.experts.")
+            if not rest.startswith("mlp.experts.") or param not in EXPERT_PARAMS:
+                raise refuse(
+                    folder,
+                    f"target_parameters entry {t!r} matches {n}: LoRA on raw parameters is served only on a "
+                    f"mixture-of-experts model's experts ({', '.join('mlp.experts.' + p for p in EXPERT_PARAMS)}); "
+                    "target linears through target_modules instead",
+                )
+            r = int(_pattern_value(folder, cfg.get("rank_pattern") or {}, n, cfg["r"]))
+            alpha = float(_pattern_value(folder, cfg.get("alpha_pattern") or {}, n, cfg["lora_alpha"]))
+            out[(int(layer), EXPERT_PARAMS[param])] = (
+                r,
+                alpha / (math.sqrt(r) if cfg.get("use_rslora") else r),
+            )
+    return out
+
+
+def read_expert_tensors(
+    folder: Path, f: Any, model: ModelConfig, targets: dict[tuple[int, str], tuple[int, float]]
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, group) -> (A [E, in, r], scale * B [E, r, out]) fp32, the pool's layout, from the file's expert
+    keys; refused unless they are exactly the targets' lora_A/lora_B with PEFT's shapes."""
+    from app.replica.lora.peft_format import _float_tensor
+
+    order = list(EXPERT_PARAMS.values())
+    found: dict[tuple[int, str, str], str] = {}
+    for key in f.keys():
+        if not is_expert_key(key):
+            continue
+        m = _EXPERT_KEY.match(key)
+        layer = int(m["layer"]) if m else -1
+        mine = sorted((g for lay, g in targets if lay == layer), key=order.index)
+        depth = m["nest"].count("base_layer.") if m else 0
+        if m is None or depth >= len(mine):
+            raise refuse(
+                folder,
+                f"tensor {key} is not the lora_A/lora_B of an expert parameter that target_parameters names "
+                "(mlp.experts.[base_layer.]lora_A|B.weight)",
+            )
+        found[(layer, mine[len(mine) - 1 - depth], m["ab"])] = key
+    shapes, E = expert_shapes(model), model.num_experts
+    out = {}
+    for (layer, g), (r, scale) in sorted(targets.items()):
+        n_in, n_out = shapes[g]
+        ts = []
+        for ab, want in (("A", [r * E, n_in]), ("B", [n_out, r * E])):
+            key = found.get((layer, g, ab))
+            if key is None:
+                raise refuse(folder, f"no lora_{ab} for layer {layer}'s experts {g}: the file is incomplete")
+            got = list(f.get_slice(key).get_shape())
+            if got != want:
+                raise refuse(
+                    folder,
+                    f"tensor {key} has shape {got}, expected {want} (r={r}, {E} experts, {g} is {n_in}->{n_out}): "
+                    "the adapter does not fit this base model",
+                )
+            ts.append(_float_tensor(folder, f, key))
+        a = ts[0].reshape(E, r, n_in).transpose(1, 2).contiguous()
+        b = (ts[1].reshape(n_out, r, E).permute(2, 1, 0) * scale).contiguous()
+        out[(layer, g)] = (a, b)
+    if len(found) != 2 * len(targets):
+        raise refuse(folder, "the file holds expert tensors target_parameters does not name")
+    return out
+
+
+class ExpertWeights:
+    """One pool's expert LoRA for one (layer, parameter): adapter slot s holds rows s*E .. s*E+E-1."""
+
+    def __init__(self, cap: int, experts: int, d_in: int, r: int, d_out: int, dtype, device):
+        import torch
+
+        self.E = experts
+        self.A = torch.empty(cap * experts, d_in, r, dtype=dtype, device=device)
+        self.B = torch.empty(cap * experts, r, d_out, dtype=dtype, device=device)
+
+    def install(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.A[slot * self.E : (slot + 1) * self.E].copy_(a)
+        self.B[slot * self.E : (slot + 1) * self.E].copy_(b)
+
+    def grow(self, cap: int) -> None:
+        import torch
+
+        for name in ("A", "B"):
+            t = getattr(self, name)
+            n = torch.empty(cap * self.E, *t.shape[1:], dtype=t.dtype, device=t.device)
+            n[: t.shape[0]] = t
+            setattr(self, name, n)
+
+    def nbytes_per_slot(self) -> int:
+        return self.E * (self.A[0].numel() + self.B[0].numel()) * self.A.element_size()
+
+
+def apply_experts(
+    plans: list,
+    cache: dict,
+    layer: int,
+    which: str,
+    x_pairs: torch.Tensor,
+    pair_expert: torch.Tensor,
+    pair_token: torch.Tensor,
+    out_pairs: torch.Tensor,
+) -> None:
+    """out_pairs[i] += scale * (x_pairs[i] A_{a,e}^T) B_{a,e}^T for pair i = (token pair_token[i], expert
+    pair_expert[i]) whose token runs adapter a with LoRA on this layer's experts `which`. Per pool: its pairs
+    sorted by virtual slot (slot * E + expert), one shrink and one expand over them, added back with one
+    index_add_. The sort and segments are built once per (layer, pool) and reused by gate_up and down."""
+    import torch
+    from loraland_kernels import lora as K
+
+    for pool, s, e, seg in plans:
+        g = pool.expert_groups.get((layer, which))
+        if g is None:
+            continue
+        key = (layer, pool.index)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not pair_token:
+            lo = s + seg.num_base
+            sel = ((pair_token >= lo) & (pair_token < e)).nonzero().squeeze(1)
+            v = seg.token_slot.index_select(0, pair_token.index_select(0, sel) - lo) * g.E
+            v, order = (v + pair_expert.index_select(0, sel)).sort(stable=True)
+            sel = sel.index_select(0, order)
+            hit = cache[key] = (
+                pair_token,
+                sel,
+                K.build_segments(v, seg.num_slots * g.E) if sel.numel() else None,
+            )
+        _, sel, sub = hit
+        if sub is None:
+            continue
+        hw = sub.num_slots
+        xs = x_pairs.index_select(0, sel)
+        d = torch.zeros(sel.numel(), out_pairs.shape[1], dtype=out_pairs.dtype, device=out_pairs.device)
+        K.expand(d, K.shrink(xs, g.A[:hw], sub), g.B[:hw], sub)
+        out_pairs.index_add_(0, sel, d)
