@@ -106,6 +106,10 @@ def import_gguf(path: str | Path, sha256: str | None = None) -> Path:
     """The served folder of a .gguf file: <cache_root>/<sha256>/, converted on first use. ValueError when the
     file cannot be read, is not a GGUF, or holds an architecture that is not served."""
     path = Path(path).expanduser()
+    _check_magic(path)
+    folder = cache_root() / (sha256 or known_sha256(path))
+    if (folder / "config.json").is_file():
+        return folder
     meta = read_metadata(path)
     arch = meta.get("general.architecture")
     served = sorted(k for k, v in GGUF_ARCHITECTURES.items() if v in SUPPORTED_ARCHITECTURES)
@@ -113,12 +117,34 @@ def import_gguf(path: str | Path, sha256: str | None = None) -> Path:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not served; GGUF architectures served: {', '.join(served)}"
         )
-    folder = cache_root() / (sha256 or file_sha256(path))
-    if (folder / "config.json").is_file():
-        return folder
     end_ids = sorted({int(meta[k]) for k in END_TOKEN_KEYS if isinstance(meta.get(k), int)})
     _convert(path, folder, end_ids)
     return folder
+
+
+def known_sha256(path: Path) -> str:
+    """The file's sha256, remembered by (path, size, mtime) in <cache_root>/hashes.json: a start that finds
+    its converted folder does not read the whole GGUF again."""
+    st = path.stat()
+    key, memo_path = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}", cache_root() / "hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo, dict) and isinstance(memo.get(key), str):
+        return memo[key]
+    memo = {
+        k: v for k, v in (memo if isinstance(memo, dict) else {}).items() if Path(k.split("|")[0]).exists()
+    }
+    memo[key] = file_sha256(path)  # (entries of files gone are dropped above)
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo, indent=1))
+        tmp.replace(memo_path)
+    except OSError:
+        pass  # a read-only cache: hash again next time
+    return memo[key]
 
 
 def _convert(path: Path, folder: Path, end_ids: list[int]) -> None:
@@ -133,6 +159,8 @@ def _convert(path: Path, folder: Path, end_ids: list[int]) -> None:
         try:
             model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
+        except ImportError as e:
+            raise ValueError(f"{path}: reading a GGUF needs the gguf package (pip install gguf): {e}") from e
         except Exception as e:
             raise ValueError(f"{path}: transformers could not read this GGUF: {e}") from e
         # dequantized weights: the GGUF quantizer's marks would stop save_pretrained and mislead readers
@@ -171,17 +199,24 @@ def file_sha256(path: Path) -> str:
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
-    """The GGUF header's key/values (arrays are skipped: None). Reads the header only, not the tensors."""
+def _check_magic(path: Path) -> None:
     try:
         with path.open("rb") as f:
-            if f.read(4) != MAGIC:
-                f.seek(0)
-                raise ValueError(f"{path} is not a GGUF file (it starts with {f.read(4)!r}, not {MAGIC!r})")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _parse(buf)
+            head = f.read(4)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read: {e}") from e
+    if head != MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not {MAGIC!r})")
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The GGUF header's key/values (arrays are skipped: None). Reads the header only, not the tensors."""
+    _check_magic(path)
+    try:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _parse(buf)
     except OSError as e:
         raise ValueError(f"{path} cannot be read: {e}") from e
     except (struct.error, UnicodeDecodeError, IndexError) as e:
