@@ -58,6 +58,7 @@ def moe(tmp_path_factory):
         # LoRA on the experts: both fused weights, r=4; attention too at r=8 with both weights; only down_proj
         # with rslora at r=2; PEFT's own conversion of MLP targets (gate_up_proj at r=6 through rank_pattern)
         "ex-r4": make_expert_adapter(model_dir, root / "ex-r4", r=4, alpha=8, target_parameters=EXPERTS, seed=3),
+        "ex-r4b": make_expert_adapter(model_dir, root / "ex-r4b", r=4, alpha=8, target_parameters=EXPERTS, seed=7),
         "ex-attn-r8": make_expert_adapter(
             model_dir, root / "ex-attn-r8", r=8, alpha=8, target_parameters=EXPERTS, target_modules=ATTN, seed=4,
             std=0.05,
@@ -152,8 +153,8 @@ def test_attention_lora_mixed_with_base_matches_peft(moe):
 
 
 def test_expert_lora_mixed_with_base_matches_peft_and_reaches_every_expert(moe, monkeypatch):
-    """Four adapters with LoRA on the experts (ranks 2 to 8, one with attention LoRA too, one on down_proj only,
-    one with a rank_pattern) and the base model, mixed in every step's batch (chunked prefill beside decodes):
+    """Five adapters with LoRA on the experts (ranks 2 to 8, one with attention LoRA too, one on down_proj only,
+    one with a rank_pattern, two sharing a pool) and the base model, mixed in every step's batch (chunked prefill beside decodes):
     greedy tokens equal transformers + PEFT's (one adapter per generate call there: PEFT's ParamWrapper takes no
     mixed batches, and folds its delta into the expert weights, W + s*B@A, where we add x A^T B^T to the
     unfolded GEMM: the same greedy tokens in fp32 on this model). Every expert of both sparse layers runs the
@@ -162,20 +163,22 @@ def test_expert_lora_mixed_with_base_matches_peft_and_reaches_every_expert(moe, 
     from peft import PeftModel
 
     _, model_dir, adapters, prompts = moe
-    names = ["ex-r4", "ex-attn-r8", "ex-down-r2-rs", "ex-mlp-r3"]
-    ids = [None if i % 5 == 0 else names[i % 4] for i in range(len(prompts))]
+    names = ["ex-r4", "ex-attn-r8", "ex-down-r2-rs", "ex-mlp-r3", "ex-r4b"]  # ex-r4b: ex-r4's pool, slot 1
+    ids = [None if i % 6 == 0 else names[i % 5] for i in range(len(prompts))]
     refs = []
     for p, a in zip(prompts, ids):
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         model = base if a is None else PeftModel.from_pretrained(base, adapters[a]).eval()
         refs.append(hf_greedy(model, p, MAX_NEW))
     reached: dict[tuple[int, str], set[int]] = {}
+    slots: set[int] = set()  # adapter slots (within their pools) whose expert LoRA ran
 
     def spy(plans, cache, layer, which, *args):
         apply_experts(plans, cache, layer, which, *args)
         for (lay, _), (_, _, sub) in cache.items():
             if lay == layer and sub is not None:
                 reached.setdefault((layer, which), set()).update(v % 8 for v in sub.slots)
+                slots.update(v // 8 for v in sub.slots)
 
     apply_experts = pools.apply_experts
     monkeypatch.setattr(pools, "apply_experts", spy)
@@ -189,6 +192,7 @@ def test_expert_lora_mixed_with_base_matches_peft_and_reaches_every_expert(moe, 
     assert {key: sorted(v) for key, v in reached.items()} == {
         (li, w): list(range(8)) for li in (0, 2) for w in ("gate_up", "down")
     }
+    assert slots == {0, 1}  # virtual slots s*E + e past the first adapter slot of a pool
     base = {tuple(r) for r, a in zip(refs, ids) if a is None}
     assert all(tuple(r) not in base for r, a in zip(refs, ids) if a is not None)  # the adapters do something
 
@@ -198,7 +202,13 @@ def test_expert_lora_is_read_in_pefts_layout(moe):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from app.replica.lora.checks import check_adapter
+
     _, model_dir, adapters, _ = moe
+    for name in ("ex-r4", "ex-attn-r8", "ex-down-r2-rs", "ex-mlp-r3"):  # the model-free checks pass them
+        check_adapter(adapters[name], max_rank=16)
+    with pytest.raises(InvalidAdapter, match="exceeds the maximum rank 4"):
+        check_adapter(adapters["ex-attn-r8"], max_rank=4)
     mc = ModelConfig.from_folder(model_dir)
     lw = read_adapter(adapters["ex-mlp-r3"], mc)
     assert sorted(lw.expert_tensors) == [(0, "down"), (0, "gate_up"), (2, "down"), (2, "gate_up")]

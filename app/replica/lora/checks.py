@@ -28,6 +28,7 @@ from typing import Any
 
 from app.config.model_config import TARGET_MODULES, ModelConfig
 from app.config.model_families import SUPPORTED_ARCHITECTURES
+from app.replica.lora import experts as X
 from app.replica.lora import peft_config as C
 from app.replica.lora.peft_config import WEIGHTS_FILE, refuse
 from app.replica.lora.peft_format import _parse_keys
@@ -70,11 +71,16 @@ def check_adapter(folder: str | Path, *, max_rank: int) -> dict[str, Any]:
     folder = Path(folder)
     cfg = C.load_config(folder)
     _check_base_class(folder, cfg)
-    _check_config_targets(folder, cfg, max_rank)
+    only_experts = bool(cfg.get("target_parameters")) and not cfg.get("target_modules")  # PEFT's MoE MLP
+    if not only_experts:
+        _check_config_targets(folder, cfg, max_rank)
     try:
         with safe_open(folder / WEIGHTS_FILE, framework="pt", device="cpu") as f:
+            X.check_expert_tensors(folder, f, cfg, max_rank)  # LoRA on MoE experts (target_parameters)
+            if only_experts:
+                return {"max_delta_norm": 0.0}  # not computed for expert LoRA
             vocab: dict[tuple[str, str], str] = {}
-            keys = _parse_keys(folder, list(f.keys()), vocab)
+            keys = _parse_keys(folder, [k for k in f.keys() if not X.is_expert_key(k)], vocab)
             _check_vocab(folder, f, vocab, cfg, max_rank)
             ranks = _check_header(folder, f, keys, cfg, max_rank, bool(vocab))
             _check_covered(folder, cfg, ranks)

@@ -219,3 +219,40 @@ def apply_experts(
         d = torch.zeros(sel.numel(), out_pairs.shape[1], dtype=out_pairs.dtype, device=out_pairs.device)
         K.expand(d, K.shrink(xs, g.A[:hw], sub), g.B[:hw], sub)
         out_pairs.index_add_(0, sel, d)
+
+
+def check_expert_tensors(folder: Path, f: Any, cfg: dict[str, Any], max_rank: int) -> None:
+    """What no base model is needed for (app/replica/lora/checks.py): expert keys in PEFT's ParamWrapper form,
+    lora_A and lora_B at each nesting depth with matching r*E, finite values, ranks within max_rank."""
+    import torch
+
+    ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
+    if max(ranks) > max_rank:
+        raise refuse(folder, f"r={max(ranks)} (r/rank_pattern) exceeds the maximum rank {max_rank}")
+    wanted = cfg.get("target_parameters") or []
+    pairs: dict[tuple[int, int], dict[str, str]] = {}
+    for key in f.keys():
+        if not is_expert_key(key):
+            continue
+        m = _EXPERT_KEY.match(key)
+        if m is None or not wanted or m["nest"].count("base_layer.") >= len(wanted):
+            raise refuse(
+                folder,
+                f"tensor {key} is not the lora_A/lora_B of an expert parameter that target_parameters names "
+                "(mlp.experts.[base_layer.]lora_A|B.weight)",
+            )
+        pairs.setdefault((int(m["layer"]), len(m["nest"])), {})[m["ab"]] = key
+    for ab in pairs.values():
+        if set(ab) != {"A", "B"}:
+            raise refuse(
+                folder, f"{next(iter(ab.values()))} has no matching lora_A/lora_B: the file is incomplete"
+            )
+        a, b = (list(f.get_slice(ab[x]).get_shape()) for x in "AB")
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            raise refuse(
+                folder,
+                f"tensors {ab['A']} {a} and {ab['B']} {b} do not pair (lora_A [r*E, in], lora_B [out, r*E])",
+            )
+        for x in "AB":
+            if not torch.isfinite(f.get_tensor(ab[x]).to(torch.float64)).all():
+                raise refuse(folder, f"tensor {ab[x]} holds NaN or inf values: the adapter is corrupt")
