@@ -1,6 +1,6 @@
 """Train the demo's three LoRA adapters on SmolLM2-135M-Instruct (CPU, fp32, seeded) into app/demo/adapters/.
 
-    .venv/bin/python examples/train_adapters.py [--steps 150] [--tasks person_json shout iso_date]
+    .venv/bin/python examples/train_adapters.py [--steps 60] [--tasks person_json shout iso_date]
 
 Tasks and data come from app/demo/tasks.py (generated, no download). Each adapter is rank 8 on q_proj and
 v_proj (1.8 MB in fp32). A training example is the prompt, then the target and <|im_end|>; the loss is on the
@@ -115,6 +115,8 @@ def train_one(base_dir: Path, task: str, out: Path, steps: int, batch: int, lr: 
     cfg["target_modules"] = sorted(cfg["target_modules"])  # PEFT keeps a set: its order varies per process
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (out / "README.md").unlink(missing_ok=True)
+    for f in out.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600: the shipped files are for every user of the checkout
     return {
         "steps": steps,
         "batch": batch,
