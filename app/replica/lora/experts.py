@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,12 +104,15 @@ def expert_targets(
 
 
 def read_expert_tensors(
-    folder: Path, f: Any, model: ModelConfig, targets: dict[tuple[int, str], tuple[int, float]]
+    folder: Path,
+    f: Any,
+    model: ModelConfig,
+    targets: dict[tuple[int, str], tuple[int, float]],
+    read: Callable[[str], torch.Tensor],
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """(layer, group) -> (A [E, in, r], scale * B [E, r, out]) fp32, the pool's layout, from the file's expert
-    keys; refused unless they are exactly the targets' lora_A/lora_B with PEFT's shapes."""
-    from app.replica.lora.peft_format import _float_tensor
-
+    keys; refused unless they are exactly the targets' lora_A/lora_B with PEFT's shapes. `read(key)`: the
+    tensor as fp32, refused unless finite (peft_format's reader)."""
     order = list(EXPERT_PARAMS.values())
     found: dict[tuple[int, str, str], str] = {}
     for key in f.keys():
@@ -141,7 +145,7 @@ def read_expert_tensors(
                     f"tensor {key} has shape {got}, expected {want} (r={r}, {E} experts, {g} is {n_in}->{n_out}): "
                     "the adapter does not fit this base model",
                 )
-            ts.append(_float_tensor(folder, f, key))
+            ts.append(read(key))
         a = ts[0].reshape(E, r, n_in).transpose(1, 2).contiguous()
         b = (ts[1].reshape(n_out, r, E).permute(2, 1, 0) * scale).contiguous()
         out[(layer, g)] = (a, b)

@@ -156,7 +156,7 @@ def read_adapter(
             vkeys: dict[tuple[str, str], str] = {}
             tensors, magnitude = _read_tensors(folder, f, model, ranks, use_dora, vkeys)
             vocab, copies, base_layers = _read_vocab(folder, f, model, vkeys, vranks, saved)
-            experts = X.read_expert_tensors(folder, f, model, xtargets)
+            experts = X.read_expert_tensors(folder, f, model, xtargets, lambda k: _float_tensor(folder, f, k))
     except SafetensorError as e:
         raise refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
     every = [*scales.values(), *vscales.values()]
@@ -185,6 +185,7 @@ def read_adapter(
         vocab_copies=copies,
         base_layers=base_layers,
         expert_tensors=experts,
+        alora_invocation_tokens=C.alora_tokens(folder, cfg, model),
     )
 
 
@@ -389,4 +390,5 @@ def adapter_summary(folder: str | Path) -> dict:
         "size": sum((folder / n).stat().st_size for n in files),
         "base_model_name_or_path": cfg.get("base_model_name_or_path"),
         "peft_type": cfg.get("peft_type", "LORA"),
+        "alora_invocation_tokens": cfg.get("alora_invocation_tokens"),
     }
