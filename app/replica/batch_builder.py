@@ -30,8 +30,8 @@ class BatchBuilder:
         the prompt positions whose logits give prompt log probabilities (the rows after those, in order).
 
         Sorts `batch.items` in place by adapter slot first: the LoRA kernels need each adapter's tokens
-        contiguous."""
-        batch.items.sort(key=lambda it: self.adapters.sort_key(it.seq))
+        contiguous. An activated LoRA's chunk wholly before its activation point is a base chunk."""
+        batch.items.sort(key=self._sort_key)
         bs = self.block_size
         ids, pos, slots, lens = [], [], [], []
         dec_idx, dec_tables, dec_lens, prefills, logits_idx, sampled = [], [], [], [], [], []
@@ -89,3 +89,8 @@ class BatchBuilder:
             fb.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
         fb.lora = self.adapters.lora_batch(seqs_tokens)
         return fb, sampled, prompt_rows
+
+    def _sort_key(self, it: ScheduledSeq) -> tuple[int, int]:
+        if it.seq.base_tokens(it.start, it.num_tokens) == it.num_tokens:
+            return (-1, -1)
+        return self.adapters.sort_key(it.seq)

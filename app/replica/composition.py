@@ -123,6 +123,12 @@ class Composition:
 
         def load() -> LoraWeights:
             terms = [(m.weights_of(k), w) for k, w in zip(keys, weights)]
+            alora = [k for k, (lw, _) in zip(keys, terms) if lw.alora_invocation_tokens is not None]
+            if alora:  # PEFT cannot merge aLoRA either: its delta applies to part of the sequence only
+                raise InvalidRequest(
+                    f"adapter {alora[0]!r} is an activated LoRA (alora_invocation_tokens): it cannot be merged or "
+                    "combined; use it alone or as a stage of a chain (a|b)"
+                )
             return merge_adapters(terms, name, method=method)
 
         return load

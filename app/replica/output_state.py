@@ -23,6 +23,8 @@ class Delta:
     error: LoraLandError | None = None
     logprobs: list[SampleLogprobs] | None = None  # one per token of token_ids, when the request asked
     prompt_logprobs: list[SampleLogprobs] | None = None  # one per prompt token, in the first delta only
+    # an activated LoRA's request: whether its prompt held the invocation (False: served as the base model)
+    alora_activated: bool | None = None
 
 
 @dataclass

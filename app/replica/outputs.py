@@ -75,6 +75,7 @@ class OutputProcessor:
             len(seq.output_ids),
             logprobs=lps,
             prompt_logprobs=prompt,
+            alora_activated=seq.alora_activated,
         )
 
     def _decode(self, st: OutputState, ids: list[int]) -> None:

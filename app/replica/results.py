@@ -16,6 +16,8 @@ class Completion:
     prompt_tokens: int
     logprobs: list[SampleLogprobs] | None = None  # one per token id, when asked (sampling's `logprobs`)
     prompt_logprobs: list[SampleLogprobs] | None = None  # one per prompt token (`prompt_logprobs`)
+    # an activated LoRA's request: False when its prompt lacked the invocation (the base model served it)
+    alora_activated: bool | None = None
 
     def add(self, d: Delta) -> None:
         """Fold one more delta of the stream in (the engine's text has stop strings and tokens applied)."""
@@ -28,6 +30,8 @@ class Completion:
             self.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
+        if d.alora_activated is not None:
+            self.alora_activated = d.alora_activated
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ class Scheduler:
         ids = seq.all_ids
         parent = None
         for j in range((len(ids) - 1) // bs):
-            h = block_hash(parent, tuple(ids[j * bs : (j + 1) * bs]), seq.adapter or "")
+            h = block_hash(parent, tuple(ids[j * bs : (j + 1) * bs]), seq.kv_key((j + 1) * bs))
             bid = self.alloc.lookup(h)
             if bid is None:
                 break
@@ -284,6 +284,6 @@ class Scheduler:
             while len(seq.block_hashes) < seq.num_computed // bs:
                 j = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
-                h = block_hash(parent, tuple(seq.token_range(j * bs, (j + 1) * bs)), seq.adapter or "")
+                h = block_hash(parent, tuple(seq.token_range(j * bs, (j + 1) * bs)), seq.kv_key((j + 1) * bs))
                 self.alloc.register(seq.block_ids[j], h)
                 seq.block_hashes.append(h)

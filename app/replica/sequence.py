@@ -10,6 +10,20 @@ from app.replica.output_state import OutputState
 from app.replica.sampler_state import SamplerState
 from app.sampling_params import SamplingParams
 
+# Sequence.lora_start of an activated LoRA whose prompt lacks its invocation sequence: the delta never applies
+NEVER = 1 << 62
+
+
+def alora_start(prompt_ids: list[int], invocation: tuple[int, ...]) -> int | None:
+    """PEFT's activation point of an activated LoRA (peft/tuners/lora/variants.py, calculate_alora_offsets):
+    the index of the start of the *last* occurrence of `invocation` in the prompt; the delta applies to that
+    token and every one after it (the invocation tokens included). None when the prompt does not hold it."""
+    n, first = len(invocation), invocation[0]
+    for i in range(len(prompt_ids) - n, -1, -1):
+        if prompt_ids[i] == first and tuple(prompt_ids[i : i + n]) == invocation:
+            return i
+    return None
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -42,6 +56,20 @@ class Sequence:
     prompt_logprobs: list[SampleLogprobs] | None = None
     # the output side's state (delta callback, detokenizer offsets); the scheduler never reads it
     output: OutputState | None = None
+    # The first position whose token takes the adapter's delta: 0 for a plain LoRA; for an activated LoRA (aLoRA)
+    # alora_start's answer, set on admission (NEVER when the prompt lacks the invocation: the base model's
+    # behaviour, as PEFT). Tokens before it are the base model's: LoRA slot -1 and the base's prefix-cache key.
+    lora_start: int = 0
+    alora_activated: bool | None = None  # None: not an aLoRA adapter
+
+    def base_tokens(self, start: int, n: int) -> int:
+        """How many of the tokens at positions [start, start + n) come before the adapter's activation."""
+        return max(0, min(n, self.lora_start - start))
+
+    def kv_key(self, end: int) -> str:
+        """The adapter identity of this sequence's KV at positions before `end` (a prefix-cache block ending
+        there): the base model's ("") while they all precede the activation, else the adapter's key."""
+        return "" if self.adapter is None or end <= self.lora_start else self.adapter
 
     @property
     def all_ids(self) -> list[int]:

@@ -33,7 +33,7 @@ from app.replica.lora.dora import BaseWeights, with_dora_scales
 from app.replica.lora.pools import LoraBatch, Pool, PoolPlan, signature
 from app.replica.lora.vocab import with_vocab_copies
 from app.replica.lora.weights import LoraWeights
-from app.replica.sequence import Sequence
+from app.replica.sequence import NEVER, Sequence, alora_start
 
 log = logging.getLogger("loraland.adapters")
 
@@ -53,6 +53,7 @@ class AdapterEntry:
     pinned: bool = False
     retired: bool = False  # unloaded or replaced by a newer version: no new requests
     last_used: float = field(default_factory=time.monotonic)
+    alora: tuple[int, ...] | None = None  # an activated LoRA's invocation tokens (known once installed)
 
 
 class AdapterManager:
@@ -216,6 +217,9 @@ class AdapterManager:
                 return False
         e.refs += 1
         e.last_used = time.monotonic()
+        if e.alora is not None:  # PEFT's activation point, from the prompt only: outputs always come after it
+            at = alora_start(seq.prompt_ids, e.alora)
+            seq.lora_start, seq.alora_activated = (NEVER, False) if at is None else (at, True)
         if e.key in self.host_lru:  # a use makes its host copy the most recently used (LRU, not load order)
             with self._lock:
                 if e.key in self.host_lru:
@@ -237,25 +241,34 @@ class AdapterManager:
         return (pool.index, slot)
 
     def lora_batch(self, seqs_tokens: list[tuple[Sequence, int]]) -> LoraBatch | None:
-        """seqs_tokens: the batch in sort_key order, with each sequence's token count this step."""
+        """seqs_tokens: the batch in sort_key order, with each sequence's token count this step (from
+        seq.num_computed on). An activated LoRA's tokens before its activation point are base tokens (slot -1):
+        a chunk wholly before it sorts among the base ones (batch_builder); a chunk that crosses it gets a plan
+        of its own, its leading tokens -1, since the kernels want slot -1 tokens first."""
         plans, t, i = [], 0, 0
         while i < len(seqs_tokens):
             seq, n = seqs_tokens[i]
-            if seq.adapter is None:
+            if seq.adapter is None or seq.base_tokens(seq.num_computed, n) == n:
                 t += n
                 i += 1
                 continue
             pool = self.entries[seq.adapter].slot[0]
             start, slots = t, []
-            while (
-                i < len(seqs_tokens)
-                and seqs_tokens[i][0].adapter is not None
-                and self.entries[seqs_tokens[i][0].adapter].slot[0] is pool
-            ):
+            while i < len(seqs_tokens):
                 s, n = seqs_tokens[i]
-                slots += [self.entries[s.adapter].slot[1]] * n
+                pre = 0 if s.adapter is None else s.base_tokens(s.num_computed, n)
+                if (
+                    s.adapter is None
+                    or pre == n
+                    or self.entries[s.adapter].slot[0] is not pool
+                    or (pre and slots)
+                ):
+                    break
+                slots += [-1] * pre + [self.entries[s.adapter].slot[1]] * (n - pre)
                 t += n
                 i += 1
+                if pre:  # the crossing chunk's plan holds it alone
+                    break
             ids = torch.tensor(slots, dtype=torch.int64, device=self.device)
             plans.append(PoolPlan(pool, start, t, K.build_segments(ids, pool.high_water())))
         return LoraBatch(plans) if plans else None
@@ -328,6 +341,7 @@ class AdapterManager:
                 len(self.pools), sig, self.cfg, self.max_adapters, self.dtype, self.device, biases
             )
         e.slot = (pool, pool.install(e.weights))
+        e.alora = e.weights.alora_invocation_tokens
         return True
 
     def _touch_host(self, key: str) -> None:

@@ -33,7 +33,6 @@ _REFUSED_FIELDS = {
     "embed_tokens or modules_to_save",
     "layer_replication": "it duplicates decoder layers, which changes the base model",
     "use_qalora": "QA-LoRA pools the input; not supported",
-    "alora_invocation_tokens": "activated LoRA switches on mid-sequence; not supported",
     "megatron_config": "Megatron-parallel LoRA layers are not supported",
     "use_bdlora": "block-diagonal LoRA is not supported",
     "arrow_config": "Arrow routing between experts is not supported",
@@ -133,6 +132,12 @@ _FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
     "bias": (lambda v: isinstance(v, str), "a string"),
     "use_dora": (lambda v: isinstance(v, bool), "true or false"),
     "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "alora_invocation_tokens": (
+        lambda v: (
+            isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        ),
+        "a non-empty list of token ids",
+    ),
 }
 
 
@@ -368,3 +373,28 @@ def vocab_ranks_scales(
         alpha = float(_pattern_value(folder, ap, VOCAB_NAMES[m], cfg["lora_alpha"]))
         ranks[m], scales[m] = r, alpha / (math.sqrt(r) if rslora else r)
     return ranks, scales
+
+
+def alora_tokens(folder: Path, cfg: dict[str, Any], model: ModelConfig) -> tuple[int, ...] | None:
+    """An activated LoRA's invocation tokens (PEFT alora_invocation_tokens), checked against the vocabulary;
+    None for a plain LoRA. aLoRA applies to linear layers only in PEFT: DoRA, embed_tokens/lm_head and
+    expert LoRA beside it are refused."""
+    toks = cfg.get("alora_invocation_tokens")
+    if toks is None:
+        return None
+    bad = [t for t in toks if not 0 <= t < model.vocab_size]
+    if bad:
+        raise refuse(
+            folder,
+            f"alora_invocation_tokens holds {bad[0]}, outside the base model's vocabulary (0..{model.vocab_size - 1})"
+            ": the adapter was tokenized for another model",
+        )
+    for key, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"),
+                      ("target_parameters", "LoRA on expert parameters")):  # fmt: skip
+        if cfg.get(key):
+            raise refuse(
+                folder, f"alora_invocation_tokens with {what} is not supported (PEFT's aLoRA is plain LoRA)"
+            )
+    if vocab_targets(folder, cfg, model):
+        raise refuse(folder, "alora_invocation_tokens with LoRA on embed_tokens/lm_head is not supported")
+    return tuple(toks)

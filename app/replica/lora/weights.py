@@ -59,6 +59,9 @@ class LoraWeights:
     # LoRA on a mixture-of-experts layer's experts (PEFT target_parameters; app/replica/lora/experts.py):
     # (layer, "gate_up"|"down") -> (A [E, in, r], scale * B [E, r, out]), the device pool's layout, scale folded
     expert_tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # activated LoRA (PEFT alora_invocation_tokens): the delta applies from the start of the last occurrence of
+    # these tokens in the prompt on (app/replica/sequence.py alora_start); None for a plain LoRA
+    alora_invocation_tokens: tuple[int, ...] | None = None
 
     @property
     def touches_vocab(self) -> bool:
