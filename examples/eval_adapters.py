@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from app.demo.evaluate import TABLE_HEADER, evaluate
+    from app.demo.evaluate import KV_BLOCKS, TABLE_HEADER, evaluate
     from app.demo.real_assets import shipped_adapters
     from app.demo.smollm2 import model_dir
     from loraland import LLMKernel
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     base = args.model or model_dir()
     adapters = shipped_adapters(args.adapters)
     t0 = time.perf_counter()
-    kernel = LLMKernel(str(base), dtype="float32", max_adapters=4, max_batch_size=64)
+    kernel = LLMKernel(str(base), dtype="float32", max_adapters=4, max_batch_size=64, num_kv_blocks=KV_BLOCKS)
     try:
         for name, folder in adapters.items():
             kernel.load_adapter(name, folder)

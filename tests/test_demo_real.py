@@ -10,7 +10,7 @@ import json
 import pytest
 
 from app.demo import tasks as T
-from app.demo.evaluate import evaluate
+from app.demo.evaluate import KV_BLOCKS, evaluate
 from app.demo.real_assets import ADAPTERS_DIR, LORA, shipped_adapters
 from app.demo.smollm2 import available
 
@@ -36,7 +36,9 @@ def results(smollm2):
 
     torch.set_num_threads(2)
     adapters = shipped_adapters()
-    kernel = LLMKernel(str(smollm2), dtype="float32", max_adapters=4, max_batch_size=16)
+    kernel = LLMKernel(
+        str(smollm2), dtype="float32", max_adapters=4, max_batch_size=16, num_kv_blocks=KV_BLOCKS
+    )
     try:
         for name, folder in adapters.items():
             kernel.load_adapter(name, folder)

@@ -272,7 +272,9 @@ def start_stack(
         redis_url=redis_url,
         adapter_store=str(Path(adapters or assets / "adapters").resolve()),
         no_auth=True,
-        kernel={"max_adapters": 8, "max_batch_size": 32},
+        # A real model's KV cache at a fixed size (16k tokens; ~750 MB on SmolLM2): by default it takes 90% of
+        # free host memory, more than a demo on a shared machine should.
+        kernel={"max_adapters": 8, "max_batch_size": 32, **({"num_kv_blocks": 1024} if model else {})},
     )
     print("starting a local Ray and the Serve app (AUTH IS OFF: local demo on loopback only) ...")
     # Logical CPUs are scheduling tokens: make sure the replica and ingress fit on a small machine.

@@ -9,6 +9,9 @@ from pathlib import Path
 from app.demo import tasks as T
 
 MAX_NEW_TOKENS = 32  # the longest target (person_json) is 23 tokens, then <|im_end|>
+# 512 x 16 tokens of KV (46 KB a token on SmolLM2: ~380 MB): enough for 50 prompts at once. The default sizes the
+# cache to 90% of free host memory, which a machine shared with other jobs cannot spare.
+KV_BLOCKS = 512
 
 
 @dataclass
@@ -48,20 +51,30 @@ def hf_greedy(model, tok, prompts: list[list[int]]) -> list[list[int]]:
     stopping at the model's end token as the kernel does."""
     import torch
 
-    eos = model.generation_config.eos_token_id
+    eos = end_ids(model.generation_config)
     out = []
     with torch.no_grad():
         for ids in prompts:
             x = torch.tensor([ids])
             y = model.generate(
-                x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos
+                x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
             )
             out.append(y[0, len(ids) :].tolist())
     return out
 
 
-def _strip_end(ids: list[int], eos: int) -> list[int]:
-    return ids[: ids.index(eos)] if eos in ids else ids
+def end_ids(generation_config) -> list[int]:
+    """The model's end tokens (generation_config's eos_token_id: one id or a list)."""
+    eos = generation_config.eos_token_id
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _strip_end(ids: list[int], eos: list[int]) -> list[int]:
+    """The tokens before the first end token (the kernel may or may not report the end token itself)."""
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i]
+    return ids
 
 
 def evaluate(
@@ -77,10 +90,11 @@ def evaluate(
     prompts = [prompt_ids(tok, e.sentence) for e in exs]
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     base_out = kernel_greedy(kernel, prompts, None)
-    eos = int(getattr(kernel.tokenizer, "eos_token_id", None) or tok.convert_tokens_to_ids("<|im_end|>"))
     hf = None
+    eos = [tok.convert_tokens_to_ids("<|im_end|>")]
     if with_hf:
         hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        eos = end_ids(hf.generation_config)
     results = []
     for task, folder in adapters.items():
         ours = kernel_greedy(kernel, prompts, task)
