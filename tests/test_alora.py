@@ -113,15 +113,19 @@ def test_peft_reference_is_really_activated(case):
     assert off
 
 
-@pytest.mark.parametrize("chunk", [4096, 7])
-def test_mixed_alora_lora_base_match_peft(case, chunk):
+@pytest.mark.parametrize("chunk,blocks", [(4096, 256), (7, 256), (4096, 24)])
+def test_mixed_alora_lora_base_match_peft(case, chunk, blocks):
+    """One batch; chunked prefill (7 tokens a step: chunks that cross the activation point); a small KV cache
+    (preemption by recompute, then prefix reuse across base-keyed and adapter-keyed blocks)."""
     model_dir, adapters, _, prompts, ids, refs, _ = case
     with LLMKernel(
-        model_dir, dtype="float32", num_kv_blocks=256, block_size=4, max_num_batched_tokens=chunk
+        model_dir, dtype="float32", num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=chunk
     ) as k:
         for n, p in adapters.items():
             k.load_adapter(n, p)
         outs = k.complete(prompts, ids, max_tokens=MAX_NEW, ignore_eos=True)
+        if blocks < 100:
+            assert k.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == refs
     for o, p, a in zip(outs, prompts, ids):
         if a in ("chk-a", "chk-b"):
@@ -196,3 +200,35 @@ def test_refusals_and_summary(case, tmp_path):
             k.complete([[50, 60]], ["chk-a*0.5+plain*0.5"], max_tokens=2)
         # a chain runs each stage as PEFT's generate would: allowed
         k.infer(["hello"], ["plain|chk-a"], max_tokens=2, ignore_eos=True)
+
+
+def test_step_plan_masks_per_token(case):
+    """The LoRA plan of one step: a chunk wholly before activation is a base chunk (no plan rows of its own),
+    the chunk that crosses it gets a plan whose leading tokens are slot -1, plain LoRA rows stay one plan."""
+    from app.replica.batch import Batch, ScheduledSeq
+    from app.replica.batch_builder import BatchBuilder
+    from app.replica.sequence import Sequence
+    from app.sampling_params import SamplingParams
+
+    model_dir, adapters, *_ = case
+    with LLMKernel(model_dir, dtype="float32", num_kv_blocks=64, block_size=4) as k:
+        for n in ("chk-a", "plain"):
+            k.load_adapter(n, adapters[n])
+        m = k.adapter_manager
+        prompt = [50] * 10 + INV_A + [60] * 5  # activation at 10
+        seqs = [Sequence(i, list(prompt), SamplingParams(max_tokens=1), adapter=m.resolve(a)) for i, a in
+                enumerate(["chk-a", "chk-a", "plain", "chk-a"])]  # fmt: skip
+        for s in seqs:
+            assert m.admit(s)
+        assert [s.lora_start for s in seqs] == [10, 10, 0, 10]
+        b = Batch([ScheduledSeq(seqs[0], 8, 0), ScheduledSeq(seqs[1], 6, 6), ScheduledSeq(seqs[2], 5, 0),
+                   ScheduledSeq(seqs[3], 2, 12)])  # fmt: skip
+        for it in b.items:
+            it.seq.num_computed = it.start
+            it.seq.block_ids = list(range(5))
+        fb, *_ = BatchBuilder(4, torch.device("cpu"), m).build(b)
+        assert b.items[0].seq is seqs[0]  # wholly before activation: sorted among the base rows
+        plans = [(p.start, p.end, p.segments.num_base) for p in fb.lora.plans]
+        # seqs[0]: rows 0-7 base; then the crossing chunk (4 of 6 before activation) alone, the decode-like
+        # chunk of seqs[3] after it, and plain's rows in its own pool: every row is in exactly one plan
+        assert (8, 14, 4) in plans and sum(e - s for s, e, _ in plans) == 6 + 5 + 2
