@@ -174,6 +174,9 @@ def test_prefix_cache_shared_with_base(case):
 
 def test_refusals_and_summary(case, tmp_path):
     model_dir, adapters, *_ = case
+    from app.replica.lora.checks import check_adapter
+
+    check_adapter(adapters["chk-a"], max_rank=64)  # `loraland adapters validate/push` accept it
     s = adapter_summary(adapters["chk-a"])
     assert s["alora_invocation_tokens"] == INV_A
     assert adapter_summary(adapters["plain"])["alora_invocation_tokens"] is None
