@@ -25,7 +25,7 @@ from app.router.http.tool_calls import ToolPlan
 from app.router.routing.replica_client import Backend, ReplicaStream, call
 from app.sampling_params import SamplingParams
 
-RECORD_TTL_S = 2.0  # how stale a resolved adapter record may be (a DELETE elsewhere takes this long to bite)
+RECORD_TTL_S = 2.0  # how stale a resolved name@v record may be (a DELETE elsewhere takes this long to bite)
 
 
 class CatalogProxy:
@@ -62,7 +62,9 @@ class IngressService:
     # ------------------------------------------------------------------ model field -> adapter versions
     async def _record(self, ref: str) -> Any:
         hit = self._records.get(ref)
-        if hit is not None and time.monotonic() - hit[1] < RECORD_TTL_S:
+        # "name" (the newest) is looked up every time: a request admitted after load_lora_adapter returned, on
+        # any ingress, gets the new version. A pinned "name@v" never changes: its record is cached.
+        if hit is not None and "@" in ref and time.monotonic() - hit[1] < RECORD_TTL_S:
             return hit[0]
         try:
             record = await asyncio.to_thread(lambda: self.catalog.get().get(ref))

@@ -5,7 +5,8 @@ admin (LORALAND_ADMIN_TOKEN): POST/GET/DELETE /v1/adapters[/{name}], GET /v1/pla
 /v1/tenants/{name}/quota and /v1/adapters/{name}/quota (app/router/http/quota_routes.py); GET /metrics (the
 cluster's Prometheus metrics: app/router/http/metrics.py) and GET /status (the status page:
 app/router/http/status_page.py); GET /healthz; vLLM's POST /tokenize and /detokenize
-(app/router/http/tokenize_routes.py).
+(app/router/http/tokenize_routes.py); vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(app/router/http/runtime_lora.py); admin GET /v1/residency[/events] (app/router/http/residency.py).
 Every error is OpenAI-shaped, with its status chosen in app/router/http/errors.py.
 """
 
@@ -34,6 +35,8 @@ from app.router.http.errors import HTTPFailure, error_reply
 from app.router.http.metrics import RequestObserver, add_metrics_route
 from app.router.http.quota_routes import add_quota_routes
 from app.router.http.quotas import QuotaLimiter
+from app.router.http.residency import add_residency_routes
+from app.router.http.runtime_lora import add_runtime_lora_routes, version_header
 from app.router.http.status_page import add_status_routes
 from app.router.http.tokenize_routes import add_tokenize_routes
 from app.router.http.tool_stream import ToolOutput
@@ -76,6 +79,7 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
     add_metrics_route(api, auth, service.catalog)
     add_status_routes(api, auth, service)
     add_tokenize_routes(api, auth, service)
+    add_runtime_lora_routes(api, auth, service)  # vLLM's load/unload_lora_adapter
 
     async def generate(request: Request, chat: bool) -> Response:
         obs = RequestObserver()  # outcome, tokens, TTFT/TPOT of every request, refused ones too
@@ -99,7 +103,7 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
         stream = await quotas.admit(stream)  # 429 over a tenant's or adapter's quota
         tools = ToolOutput(plan) if plan is not None and plan.parses else None
         if req.stream:
-            return await _stream(service, req, stream, rid, chat, obs, tools)
+            return await _stream(service, req, stream, rid, chat, obs, tools, version_header(spec))
         choices = await stream.collect()
         obs.finish(200, stream, req.n)
         body = resp.completion_response(
@@ -107,7 +111,7 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
         )
         if tools is not None:
             tools.shape(body)
-        return JSONResponse(body, headers={REPLICA_HEADER: stream.replica or ""})
+        return JSONResponse(body, headers={REPLICA_HEADER: stream.replica or "", **version_header(spec)})
 
     def guarded(fn):
         # functools.wraps keeps fn's signature visible to FastAPI (path parameters).
@@ -119,6 +123,8 @@ def build_api(service: IngressService, auth: Authenticator, quotas: QuotaLimiter
                 return _error_response(e)
 
         return route
+
+    add_residency_routes(api, auth, service, guarded)  # GET /v1/residency[/events]
 
     @api.post("/v1/completions")
     @guarded
@@ -198,6 +204,7 @@ async def _stream(
     chat: bool,
     obs: RequestObserver,
     tools: ToolOutput | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Response:
     # The first output is awaited before answering, so errors found at admission (unknown adapter, prompt too
     # long, queue full) get their real status code instead of a 200 with an error event.
@@ -244,7 +251,7 @@ async def _stream(
     return StreamingResponse(
         events(),
         media_type="text/event-stream",
-        headers={REPLICA_HEADER: stream.replica or "", "Cache-Control": "no-cache"},
+        headers={REPLICA_HEADER: stream.replica or "", "Cache-Control": "no-cache", **(headers or {})},
     )
 
 

@@ -1,0 +1,254 @@
+"""Adapters that change every few seconds (issue 34): an RL trainer's weight sync through vLLM's runtime LoRA API
+under steady load, on a real local Ray cluster (load_tests/harness/local_stack.py: N replicas of the tiny model,
+Redis, S3, an in-process reference kernel).
+
+Every `--swap-s` (2 s) each of `--churn` (4) adapters gets a new version through POST /v1/load_lora_adapter
+(`load_inplace`), its weights made as an RL step would: the previous version plus Gaussian noise, written to a new
+folder under the allowed local root. Meanwhile `--clients` loops send streamed and plain greedy completions to the
+churning adapters and to `--others` (50) public ones. Every answer is checked against the reference for the
+version it names in `x-loraland-adapter-version` (the in-process LLMKernel holding that version's folder): a
+different text is a wrong-version answer; a non-200 or a missing header is a lost request. A first phase runs the
+same load without churn (throughput baseline).
+
+Reports: load_lora_adapter latency p50/p99 (validated on a replica and made newest), swap-to-served (from the load
+returning to the first answer on that version finishing), wrong / lost answers, throughput with churn vs without,
+replica RSS and device slots start vs end.
+
+    unshare -n sh -c 'ip link set lo up; exec .venv/bin/python -m load_tests.serving.bench_churn --quick'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+PROMPTS = ["the quick brown fox", "hello world", "once upon a time", "to be or not"]
+HDR = "x-loraland-adapter-version"
+
+
+def rl_step(prev: Path, out: Path, rng: np.random.Generator, scale: float = 0.05) -> Path:
+    """An RL step's new adapter: the previous weights plus noise (each version distinct)."""
+    from safetensors.numpy import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(prev / "adapter_model.safetensors"))
+    new = {k: (v + rng.normal(0, scale, v.shape)).astype(np.float32) for k, v in tensors.items()}
+    save_file(new, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text((prev / "adapter_config.json").read_text())
+    return out
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Churn:
+    def __init__(self, stack, args) -> None:
+        self.stack, self.args = stack, args
+        self.headers = {"Authorization": f"Bearer {stack_admin()}"}
+        self.root = Path(os.environ["LORALAND_LOCAL_ROOTS"])
+        self.folders: dict[str, Path] = {}  # "rl0@3" -> folder
+        self.names = [f"rl{i}" for i in range(args.churn)]
+        self.latest: dict[str, int] = {}
+        self.loaded_at: dict[str, float] = {}  # ref -> monotonic time its load returned
+        self.first_served: dict[str, float] = {}
+        self.load_s: list[float] = []
+        self.records: list[dict] = []
+        self.rng = np.random.default_rng(0)
+        self._refs: dict[tuple[str, str], str] = {}
+
+    async def load(self, c: httpx.AsyncClient, name: str) -> None:
+        from tests.fixtures.tiny_adapter import write_tiny_adapter
+
+        v = self.latest.get(name, 0) + 1
+        out = self.root / name / f"step-{v}"
+        folder = (
+            write_tiny_adapter(out, seed=900 + len(self.latest))
+            if v == 1
+            else rl_step(self.folders[f"{name}@{v - 1}"], out, self.rng)
+        )
+        body = {"lora_name": name, "lora_path": str(folder), "load_inplace": v > 1}
+        t0 = time.monotonic()
+        r = await c.post("/v1/load_lora_adapter", json=body, headers=self.headers)
+        if r.status_code != 200:
+            raise RuntimeError(f"load {name} v{v}: {r.status_code} {r.text}")
+        ref = r.headers[HDR]
+        self.loaded_at[ref] = time.monotonic()
+        self.load_s.append(self.loaded_at[ref] - t0)
+        self.folders[ref] = folder
+        self.latest[name] = int(ref.rpartition("@")[2])
+
+    async def swapper(self, c: httpx.AsyncClient, until: float) -> None:
+        while time.monotonic() < until:
+            t0 = time.monotonic()
+            await asyncio.gather(*(self.load(c, n) for n in self.names))
+            await asyncio.sleep(max(0.0, self.args.swap_s - (time.monotonic() - t0)))
+
+    async def client(self, c: httpx.AsyncClient, until: float, phase: str, seed: int) -> None:
+        rnd = random.Random(seed)
+        others = self.stack.warm
+        while time.monotonic() < until:
+            model = rnd.choice(self.names) if rnd.random() < 0.5 else rnd.choice(others)
+            prompt, stream = rnd.choice(PROMPTS), rnd.random() < 0.5
+            body = {"model": model, "prompt": prompt, "max_tokens": self.args.max_tokens, "temperature": 0,
+                    "stream": stream}  # fmt: skip
+            rec = {"phase": phase, "model": model, "prompt": prompt, "stream": stream, "t0": time.monotonic()}
+            try:
+                if stream:
+                    async with c.stream("POST", "/v1/completions", json=body, headers=self.headers) as r:
+                        text = ""
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                ev = json.loads(line[6:])
+                                if "error" in ev:
+                                    rec["error"] = ev["error"].get("message")
+                                text += "".join(ch.get("text", "") for ch in ev.get("choices", []))
+                else:
+                    r = await c.post("/v1/completions", json=body, headers=self.headers)
+                    text = r.json()["choices"][0]["text"] if r.status_code == 200 else ""
+                rec.update(status=r.status_code, served=r.headers.get(HDR), text=text)
+            except Exception as e:
+                rec.update(status=None, error=repr(e))
+            rec["t1"] = time.monotonic()
+            served = rec.get("served")
+            if served in self.loaded_at and rec["t0"] >= self.loaded_at[served]:
+                self.first_served.setdefault(served, rec["t1"])
+            self.records.append(rec)
+
+    async def phase(self, name: str, duration: float, churn: bool) -> None:
+        limits = httpx.Limits(max_connections=self.args.clients + 8)
+        async with httpx.AsyncClient(base_url=self.stack.base, timeout=120, limits=limits) as c:
+            if not self.latest:
+                await asyncio.gather(*(self.load(c, n) for n in self.names))
+            until = time.monotonic() + duration
+            tasks = [self.client(c, until, name, i) for i in range(self.args.clients)]
+            if churn:
+                tasks.append(self.swapper(c, until))
+            await asyncio.gather(*tasks)
+
+    def reference(self, served: str, prompt: str) -> str:
+        """The in-process kernel's greedy text for `served` (a churned version: its folder, under a name of
+        its own so the oracle never holds two versions of one name)."""
+        if served not in self.folders:
+            return self.stack.reference(served.partition("@")[0], prompt, None, self.args.max_tokens)
+        key = (served, prompt)
+        if key not in self._refs:
+            oracle, alias = self.stack.oracle, served.replace("@", "-v")
+            oracle.load_adapter(alias, self.folders[served], version=1)
+            for p in PROMPTS:
+                self._refs[(served, p)] = oracle.complete([p], [alias], max_tokens=self.args.max_tokens)[
+                    0
+                ].text
+            oracle.unload_adapter(alias)
+        return self._refs[key]
+
+    def summary(self, resources: dict) -> dict:
+        out: dict = {"args": vars(self.args), "resources": resources}
+        for phase in ("baseline", "churn"):
+            recs = [r for r in self.records if r["phase"] == phase]
+            ok = [r for r in recs if r.get("status") == 200 and r.get("served") and not r.get("error")]
+            lost = [r for r in recs if r not in ok]
+            wrong = [r for r in ok if r["text"] != self.reference(r["served"], r["prompt"])]
+            churned = [r for r in ok if r["model"] in self.names]
+            span = max(r["t1"] for r in recs) - min(r["t0"] for r in recs) if recs else 0
+            out[phase] = {
+                "requests": len(recs), "ok": len(ok), "lost": len(lost), "wrong_version": len(wrong),
+                "on_churned_adapters": len(churned), "streamed": sum(r["stream"] for r in recs),
+                "req_per_s": len(ok) / span if span else 0.0,
+                "latency_p50_s": pct([r["t1"] - r["t0"] for r in ok], 0.5),
+                "latency_p99_s": pct([r["t1"] - r["t0"] for r in ok], 0.99),
+                "lost_examples": [{k: r.get(k) for k in ("model", "status", "error")} for r in lost[:5]],
+                "wrong_examples": [{k: r.get(k) for k in ("model", "served", "prompt", "text")} for r in wrong[:5]],
+            }  # fmt: skip
+        swaps = [self.first_served[r] - self.loaded_at[r] for r in self.first_served]
+        out["swaps"] = {
+            "versions_loaded": len(self.load_s),
+            "load_call_p50_s": pct(self.load_s, 0.5),
+            "load_call_p99_s": pct(self.load_s, 0.99),
+            "served_after_load_p50_s": pct(swaps, 0.5),
+            "served_after_load_p99_s": pct(swaps, 0.99),
+            "versions_served": len(self.first_served),
+        }
+        base, churn = out["baseline"]["req_per_s"], out["churn"]["req_per_s"]
+        out["throughput_churn_vs_baseline"] = churn / base if base else None
+        return out
+
+
+def stack_admin() -> str:
+    from load_tests.harness.local_stack import ADMIN
+
+    return ADMIN
+
+
+def snapshot(stack) -> dict:
+    r = httpx.get(
+        f"{stack.base}/v1/residency", headers={"Authorization": f"Bearer {stack_admin()}"}, timeout=30
+    )
+    reps = r.json()["replicas"]
+    rss = stack.replica_resources()
+    return {
+        "rss_mib": sorted(round(v["rss_mib"]) for v in rss.values()),
+        "free_slots": [x["free_slots"] for x in reps],
+        "device_slots_used": [x["device_slots_used"] for x in reps],
+        "kv_usage": [x["kv_usage"] for x in reps],
+        "adapters_held": [len(x["adapters"]) for x in reps],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of churn (the baseline: a third)")
+    ap.add_argument("--quick", action="store_true", help="30 s of churn, 12 other adapters")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--churn", type=int, default=4, help="adapters getting a new version every --swap-s")
+    ap.add_argument("--swap-s", type=float, default=2.0)
+    ap.add_argument("--others", type=int, default=50, help="steady adapters beside the churning ones")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=None, help="JSON results (default results/churn-<mode>.json)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.duration, args.others = 30.0, min(args.others, 12)
+
+    from load_tests.harness.local_stack import LocalStack, StackConfig, require_offline
+
+    require_offline()
+    cfg = StackConfig(replicas=args.replicas, adapters=args.others, cold=0, max_adapters=8, max_tokens=args.max_tokens,
+                      num_cpus=max(4, args.replicas + 2))  # fmt: skip
+    stack = LocalStack(cfg)
+    root = stack.workdir / "rl"
+    root.mkdir(parents=True)
+    os.environ["LORALAND_LOCAL_ROOTS"] = str(root)  # Ray's workers inherit it: the folders trainers write
+    with stack:
+        bench = Churn(stack, args)
+        baseline_s = max(10.0, args.duration / 3)
+        asyncio.run(bench.phase("baseline", baseline_s, churn=False))
+        start = snapshot(stack)
+        asyncio.run(bench.phase("churn", args.duration, churn=True))
+        time.sleep(2 * cfg.heartbeat_s)
+        end = snapshot(stack)
+        result = bench.summary({"start": start, "end": end})
+    out = (
+        args.out
+        or Path(__file__).parent / "results" / f"churn-{'quick' if args.quick else int(args.duration)}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(json.dumps({k: v for k, v in result.items() if k != "args"}, indent=2, default=str))
+    bad = result["churn"]["wrong_version"] + result["churn"]["lost"] + result["baseline"]["lost"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
