@@ -64,6 +64,8 @@ class Churn:
         self.loaded_at: dict[str, float] = {}  # ref -> monotonic time its load returned
         self.first_served: dict[str, float] = {}
         self.load_s: list[float] = []
+        self.swap_s: list[float] = []
+        self.probe = False  # set during the churn phase
         self.records: list[dict] = []
         self.rng = np.random.default_rng(0)
         self._refs: dict[tuple[str, str], str] = {}
@@ -88,6 +90,11 @@ class Churn:
         self.load_s.append(self.loaded_at[ref] - t0)
         self.folders[ref] = folder
         self.latest[name] = int(ref.rpartition("@")[2])
+        if self.probe:  # the swap: from the load returning to a replica answering on the new version
+            pr = await c.post("/v1/completions", headers=self.headers,
+                              json={"model": name, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0})  # fmt: skip
+            if pr.status_code == 200 and pr.headers.get(HDR) == ref:
+                self.swap_s.append(time.monotonic() - self.loaded_at[ref])
 
     async def swapper(self, c: httpx.AsyncClient, until: float) -> None:
         while time.monotonic() < until:
@@ -133,6 +140,7 @@ class Churn:
                 await asyncio.gather(*(self.load(c, n) for n in self.names))
             until = time.monotonic() + duration
             tasks = [self.client(c, until, name, i) for i in range(self.args.clients)]
+            self.probe = churn
             if churn:
                 tasks.append(self.swapper(c, until))
             await asyncio.gather(*tasks)
@@ -155,7 +163,7 @@ class Churn:
 
     def summary(self, resources: dict) -> dict:
         out: dict = {"args": vars(self.args), "resources": resources}
-        for phase in ("baseline", "churn"):
+        for phase in ("baseline", "churn"):  # (the warm-up phase is not counted)
             recs = [r for r in self.records if r["phase"] == phase]
             ok = [r for r in recs if r.get("status") == 200 and r.get("served") and not r.get("error")]
             lost = [r for r in recs if r not in ok]
@@ -176,10 +184,19 @@ class Churn:
             "versions_loaded": len(self.load_s),
             "load_call_p50_s": pct(self.load_s, 0.5),
             "load_call_p99_s": pct(self.load_s, 0.99),
+            "swap_probe_p50_s": pct(self.swap_s, 0.5),
+            "swap_probe_p99_s": pct(self.swap_s, 0.99),
+            "swap_probes": len(self.swap_s),
             "served_after_load_p50_s": pct(swaps, 0.5),
             "served_after_load_p99_s": pct(swaps, 0.99),
             "versions_served": len(self.first_served),
         }
+        # Is the wrong-version check able to see a wrong version? Distinct reference texts per churned adapter.
+        texts: dict[tuple[str, str], set[str]] = {}
+        for ref in self.folders:
+            for p in PROMPTS[:2]:
+                texts.setdefault((ref.partition("@")[0], p), set()).add(self.reference(ref, p))
+        out["swaps"]["distinct_reference_texts_per_adapter_prompt"] = sorted(len(v) for v in texts.values())
         base, churn = out["baseline"]["req_per_s"], out["churn"]["req_per_s"]
         out["throughput_churn_vs_baseline"] = churn / base if base else None
         return out
@@ -232,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["LORALAND_LOCAL_ROOTS"] = str(root)  # Ray's workers inherit it: the folders trainers write
     with stack:
         bench = Churn(stack, args)
-        baseline_s = max(10.0, args.duration / 3)
-        asyncio.run(bench.phase("baseline", baseline_s, churn=False))
+        asyncio.run(bench.phase("warmup", 8.0, churn=False))  # every adapter's first load, not counted
+        asyncio.run(bench.phase("baseline", max(20.0, args.duration / 3), churn=False))
         start = snapshot(stack)
         asyncio.run(bench.phase("churn", args.duration, churn=True))
         time.sleep(2 * cfg.heartbeat_s)
