@@ -1,15 +1,6 @@
 """Activated LoRA (issue 33): five checker adapters over one long conversation the base model already served.
-
-    python -m load_tests.serving.bench_alora [--quick] [--passes 3] [--context 1500] [--checkers 5]
-
-In-process LLMKernel (fp32) on the TinyLlama-width 2-layer bench model. Per pass: a fresh conversation of
---context tokens is answered by the base model (its KV blocks stay in the prefix cache); then each checker is
-asked about it, one after the other (prompt = conversation + the base's answer + the invocation + a question),
-first as aLoRA adapters (the tokens before the invocation reuse the base's KV), then the same weights as plain
-LoRA adapters (no sharing with the base: each prefills the whole conversation). Reported per pass: each checker's
-TTFT, the mean TTFT ratio aLoRA / LoRA (goal <= 0.2) and the ratio of the five checks' total time (goal <= 0.3).
-Method and results: load_tests/serving/RESULTS.md.
-"""
+Run: ./run bench alora [--quick] [--passes 3] [--context 1500] [--checkers 5]; aLoRA vs plain LoRA TTFT per pass.
+Method and results: load_tests/serving/RESULTS.md (alora)."""
 
 from __future__ import annotations
 
