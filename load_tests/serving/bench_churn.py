@@ -1,21 +1,6 @@
-"""Adapters that change every few seconds (issue 34): an RL trainer's weight sync through vLLM's runtime LoRA API
-under steady load, on a real local Ray cluster (load_tests/harness/local_stack.py: N replicas of the tiny model,
-Redis, S3, an in-process reference kernel).
-
-Every `--swap-s` (2 s) each of `--churn` (4) adapters gets a new version through POST /v1/load_lora_adapter
-(`load_inplace`), its weights made as an RL step would: the previous version plus Gaussian noise, written to a new
-folder under the allowed local root. Meanwhile `--clients` loops send streamed and plain greedy completions to the
-churning adapters and to `--others` (50) public ones. Every answer is checked against the reference for the
-version it names in `x-loraland-adapter-version` (the in-process LLMKernel holding that version's folder): a
-different text is a wrong-version answer; a non-200 or a missing header is a lost request. A first phase runs the
-same load without churn (throughput baseline).
-
-Reports: load_lora_adapter latency p50/p99 (validated on a replica and made newest), swap-to-served (from the load
-returning to the first answer on that version finishing), wrong / lost answers, throughput with churn vs without,
-replica RSS and device slots start vs end.
-
-    unshare -n sh -c 'ip link set lo up; exec .venv/bin/python -m load_tests.serving.bench_churn --quick'
-"""
+"""Adapters that change every few seconds (issue 34): RL-style weight sync through vLLM's runtime LoRA API under load.
+Run: ./run bench churn [--quick] [--duration 600]; every answer checked against the version it names.
+Method and results: load_tests/serving/RESULTS.md (churn)."""
 
 from __future__ import annotations
 
