@@ -113,7 +113,15 @@ class AdapterManager:
             if gone:
                 raise KeyError(gone[0])
             old = self.current.get(name)
-            entry = AdapterEntry(key, name, version, loader, weights=weights, parts=tuple(parts))
+            prev = self.entries.get(key)
+            if prev is not None:
+                # The same name@version again (a request pinned to an older version, or a reload): versions are
+                # immutable, so the entry comes back to life with its device slot, which a new entry would leak
+                entry, prev.retired, prev.loader = prev, False, loader
+                if prev.weights is None:
+                    prev.weights = weights
+            else:
+                entry = AdapterEntry(key, name, version, loader, weights=weights, parts=tuple(parts))
             if old is not None and old != key:
                 entry.pinned = self.entries[old].pinned
                 self._retire(self.entries[old])
