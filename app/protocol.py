@@ -194,6 +194,8 @@ class ChoiceDelta:
     # the first delta of a choice only: its prompt's text (echo) and the prompt tokens' log probabilities
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    # an activated LoRA's choice: whether its invocation sequence was found (False: served as the base model)
+    alora_activated: bool | None = None
 
     def merge(self, later: ChoiceDelta) -> None:
         """Fold a later delta of the same choice into this one (coalescing, or accumulating a reply)."""
@@ -207,6 +209,8 @@ class ChoiceDelta:
                 self.logprobs = []
             self.logprobs.extend(later.logprobs)
         self.finish_reason = later.finish_reason or self.finish_reason
+        if later.alora_activated is not None:
+            self.alora_activated = later.alora_activated
         self.prompt_tokens = later.prompt_tokens
         self.completion_tokens = later.completion_tokens
 

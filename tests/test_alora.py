@@ -235,3 +235,17 @@ def test_step_plan_masks_per_token(case):
         # seqs[0]: rows 0-7 base; then the crossing chunk (4 of 6 before activation) alone, the decode-like
         # chunk of seqs[3] after it, and plain's rows in its own pool: every row is in exactly one plan
         assert (8, 14, 4) in plans and sum(e - s for s, e, _ in plans) == 6 + 5 + 2
+
+
+def test_usage_says_whether_the_alora_adapter_activated():
+    """OpenAI's usage carries alora_activated for aLoRA requests: False when a prompt lacked the invocation
+    (that prompt was served as the base model), absent for other requests."""
+    from app.protocol import ChoiceDelta
+    from app.router.service import IngressService
+
+    first = ChoiceDelta(0, "a", None, 5, 1, alora_activated=True)
+    first.merge(ChoiceDelta(0, "b", "stop", 5, 2))  # a later delta without the flag keeps it
+    assert IngressService.usage_of({0: first}, 1)["alora_activated"] is True
+    mixed = {0: first, 1: ChoiceDelta(1, "c", "stop", 4, 1, alora_activated=False)}
+    assert IngressService.usage_of(mixed, 1)["alora_activated"] is False
+    assert "alora_activated" not in IngressService.usage_of({0: ChoiceDelta(0, "d", "stop", 3, 1)}, 1)

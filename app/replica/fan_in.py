@@ -78,6 +78,7 @@ async def fan_in(
                     d.prompt_tokens,
                     d.completion_tokens,
                     None if d.logprobs is None else logprob_text(d.logprobs),
+                    alora_activated=d.alora_activated,
                 )
                 if index not in first:
                     first.add(index)

@@ -157,7 +157,11 @@ class IngressService:
     def usage_of(choices: dict[int, ChoiceDelta], n: int) -> dict:
         # Every sample of a prompt reports the same prompt tokens: count them once per prompt.
         prompt = sum(c.prompt_tokens for i, c in choices.items() if i % n == 0)
-        return resp.usage(prompt, sum(c.completion_tokens for c in choices.values()))
+        use = resp.usage(prompt, sum(c.completion_tokens for c in choices.values()))
+        flags = [c.alora_activated for c in choices.values() if c.alora_activated is not None]
+        if flags:  # an aLoRA adapter: False when any prompt lacked the invocation (served as the base model)
+            use["alora_activated"] = all(flags)
+        return use
 
     # ------------------------------------------------------------------ listings
     async def models(self, caller: Caller) -> dict:
