@@ -257,6 +257,7 @@ class LLMKernel(KernelAdapters, KernelPrompts):
             kv_blocks_total=alloc.num_blocks,
             prefix_queries=alloc.queries,
             prefix_hits=alloc.hits,
+            alora_kv=e.scheduler.alora_kv,
         )
 
     def close(self) -> None:

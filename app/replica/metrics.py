@@ -79,7 +79,36 @@ class ReplicaGauges:
                 ["replica", "tier"],
                 tiers,
             ),
+            *base_kv_reuse(self.replica_id, s.alora_kv),
         ]
+
+
+def base_kv_reuse(replica_id: str, alora_kv: dict[str, tuple[int, int]]) -> list[list]:
+    """Activated LoRA's base-KV reuse as two counter families by adapter name (versions summed; names outside
+    the top K as OTHER): prompt tokens served from the base model's cached KV blocks, and tokens prefilled."""
+    by_name: dict[str, list[int]] = {}
+    for key, (reused, prefilled) in alora_kv.items():
+        row = by_name.setdefault(metrics.adapter_seen(key.rpartition("@")[0] or key), [0, 0])
+        row[0] += reused
+        row[1] += prefilled
+    labels = ["replica", "adapter"]
+    return [
+        mc.family(
+            "loraland_alora_base_kv_reused_tokens",
+            "counter",
+            "Prompt tokens of activated-LoRA requests served from the base model's cached KV blocks (the "
+            "prefix before the invocation, block-aligned), not prefilled",
+            labels,
+            [[[replica_id, a], float(v[0])] for a, v in sorted(by_name.items())],
+        ),
+        mc.family(
+            "loraland_alora_prefilled_tokens",
+            "counter",
+            "Tokens of activated-LoRA requests prefilled (not found in the prefix cache)",
+            labels,
+            [[[replica_id, a], float(v[1])] for a, v in sorted(by_name.items())],
+        ),
+    ]
 
 
 def load_source(hub: Any, uri: str, files: dict[str, str] | None) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.replica.logprobs import SampleLogprobs
 from app.replica.output_state import Delta
@@ -50,3 +50,6 @@ class KernelStats:
     kv_blocks_total: int
     prefix_queries: int
     prefix_hits: int
+    # activated-LoRA adapter key ("name@version") -> (prompt tokens served from the base model's cached KV
+    # blocks, tokens prefilled), summed over admissions since the replica started
+    alora_kv: dict[str, tuple[int, int]] = field(default_factory=dict)

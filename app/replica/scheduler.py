@@ -72,6 +72,9 @@ class Scheduler:
         # running sequences a claim took the slot of, KV kept: not scheduled while the batch is over its size
         self.held: list[Sequence] = []
         self.num_preemptions = 0
+        # per activated-LoRA adapter key: (tokens found in base-keyed cached KV blocks, tokens computed instead),
+        # counted at each admission; replaced whole, never mutated, so another thread may copy it
+        self.alora_kv: dict[str, tuple[int, int]] = {}
 
     # ----------------------------------------------------------------- queue management
     def add(self, seq: Sequence) -> None:
@@ -218,6 +221,16 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
         batch.items.append(ScheduledSeq(seq, n, seq.num_computed))
+        if seq.alora_activated is not None and seq.adapter is not None:
+            self._count_base_kv(seq, seq.adapter)
+
+    def _count_base_kv(self, seq: Sequence, key: str) -> None:
+        """An aLoRA sequence just admitted: its cached blocks that end at or before the activation point are
+        the base model's KV (kv_key); the rest of its tokens are prefilled."""
+        bs = self.config.block_size
+        reused = min(seq.num_computed, seq.lora_start // bs * bs)
+        r, p = self.alora_kv.get(key, (0, 0))
+        self.alora_kv = {**self.alora_kv, key: (r + reused, p + seq.num_uncomputed)}
 
     def _claim(self, batch: Batch, budget: int, claimed: set[int]) -> int:
         """Admit the waiting sequences the policy says are owed a slot now, first in the step's budget,

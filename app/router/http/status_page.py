@@ -1,6 +1,7 @@
 """GET /status: a self-refreshing page for operators (plain HTML + JS in app/router/http/static/, no build step), and
-GET /status/data, the JSON it polls: adapters (tier, replicas holding them, requests, tokens, last use), replicas
-(load, free slots, queue, KV use), tenants (usage, quotas), recent errors and adapter loads.
+GET /status/data, the JSON it polls: adapters (tier, replicas holding them, requests, tokens, last use; for an
+activated LoRA, prompt tokens served from the base model's KV vs prefilled), replicas (load, free slots, queue, KV
+use), tenants (usage, quotas), recent errors and adapter loads.
 
 Counts come from the cluster's metric snapshots (app/router/http/metrics.py: cluster_snapshots), placement and
 replica state from the catalog's heartbeats. The page itself holds no data, so it is served to anyone; the data
@@ -78,6 +79,8 @@ def status_data(service: Any) -> dict[str, Any]:
     requests = _sums(snaps, "loraland_requests", "adapter")
     prompt = _sums(snaps, "loraland_prompt_tokens", "adapter")
     completion = _sums(snaps, "loraland_completion_tokens", "adapter")
+    kv_reused = _sums(snaps, "loraland_alora_base_kv_reused_tokens", "adapter")  # activated LoRA only
+    kv_prefilled = _sums(snaps, "loraland_alora_prefilled_tokens", "adapter")
     last_used: dict[str, float] = {}
     for snap in snaps:
         for name, t in (snap.get("last_used") or {}).items():
@@ -109,6 +112,8 @@ def status_data(service: Any) -> dict[str, Any]:
                 "requests": requests.get(name, 0),
                 "prompt_tokens": prompt.get(name, 0),
                 "completion_tokens": completion.get(name, 0),
+                # None: not an activated LoRA, or no request for it yet
+                "base_kv": [kv_reused[name], kv_prefilled.get(name, 0)] if name in kv_reused else None,
                 "last_used": last_used.get(name),
                 "unloadable": bool(rec and rec.unloadable),
             }
