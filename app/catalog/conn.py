@@ -64,7 +64,7 @@ class CatalogConnection:
     key namespace, the change-event channel and the Lua scripts (app/catalog/lua.py), registered once."""
 
     SCRIPTS = (
-        "REGISTER", "GET", "REMOVE", "PIN",  # registry.py
+        "REGISTER", "PROMOTE", "GET", "REMOVE", "PIN",  # registry.py
         "CREATE_TENANT", "ROTATE_KEY", "SET_TENANT_WEIGHT",  # tenants.py
         "HEARTBEAT", "REPLICAS", "PLACEMENT", "DROP_REPLICA",  # replicas.py
     )  # fmt: skip

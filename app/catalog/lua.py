@@ -11,7 +11,8 @@ scripts, registered on first use by app/catalog/quotas.py, are app/catalog/quota
 """
 
 REGISTER = """
--- KEYS: adapter hash, names set, versions hash, tenants hash; ARGV: name, body JSON (no version), channel, tenant
+-- KEYS: adapter hash, names set, versions hash, tenants hash; ARGV: name, body JSON (no version), channel, tenant,
+-- '1' to stage the version (stored but not yet the newest: PROMOTE makes it so), versions to keep (0: all).
 if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[4]) == 0 then
   return redis.error_reply('LL_UNKNOWN_TENANT')
 end
@@ -22,10 +23,47 @@ if v <= latest then  -- the counter was lost (e.g. a partial restore): never reu
   redis.call('HSET', KEYS[3], ARGV[1], v)
 end
 local body = string.sub(ARGV[2], 1, -2) .. ',"version":' .. v .. '}'
-redis.call('HSET', KEYS[1], 'v:' .. v, body, 'latest', v)
+redis.call('HSET', KEYS[1], 'v:' .. v, body)
+local kind = 'staged'
+if ARGV[5] ~= '1' then
+  redis.call('HSET', KEYS[1], 'latest', v)
+  latest, kind = v, 'registered'
+end
 redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('PUBLISH', ARGV[3], cjson.encode({type = 'registered', name = ARGV[1], version = v}))
+redis.call('PUBLISH', ARGV[3], cjson.encode({type = kind, name = ARGV[1], version = v}))
+-- Bounded history: the newest ARGV[6] versions stay, and the newest promoted one whatever its age.
+local keep = tonumber(ARGV[6])
+if keep > 0 then
+  local vs, dropped = {}, {}
+  for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(f, 1, 2) == 'v:' then table.insert(vs, tonumber(string.sub(f, 3))) end
+  end
+  table.sort(vs)
+  for i = 1, #vs - keep do
+    if vs[i] ~= latest then
+      redis.call('HDEL', KEYS[1], 'v:' .. vs[i])
+      table.insert(dropped, vs[i])
+    end
+  end
+  if #dropped > 0 then
+    redis.call('PUBLISH', ARGV[3], cjson.encode({type = 'removed', name = ARGV[1], versions = dropped}))
+  end
+end
 return v
+"""
+
+PROMOTE = """
+-- KEYS: adapter hash; ARGV: name, version, channel. Makes a staged version the newest unless a newer one is.
+-- Returns 1 (it is the newest), 0 (a newer version is), -1 (the version is gone).
+if redis.call('HEXISTS', KEYS[1], 'v:' .. ARGV[2]) == 0 then return -1 end
+local v = tonumber(ARGV[2])
+local latest = tonumber(redis.call('HGET', KEYS[1], 'latest') or '0')
+if v < latest then return 0 end
+if v > latest then
+  redis.call('HSET', KEYS[1], 'latest', v)
+  redis.call('PUBLISH', ARGV[3], cjson.encode({type = 'registered', name = ARGV[1], version = v}))
+end
+return 1
 """
 
 GET = """

@@ -1,7 +1,11 @@
 """Registry half of the catalog: adapter name -> versioned records (source URI, sha256s, shape, owner).
 
 A registration is one REGISTER script (app/catalog/lua.py): the version number, the record and the change event
-are written together, and a name's versions are never reused, even after it is removed."""
+are written together, and a name's versions are never reused, even after it is removed. A registration may bound
+the name's history: it drops all but the newest `keep` versions (and the newest promoted one), each drop announced
+as a "removed" event (runtime LoRA loads keep MAX_VERSIONS; other registrations keep every version). A version may
+be staged first (stored and announced as "staged", but not yet what the bare name resolves to) and promoted once
+the replicas holding the name have loaded it (runtime LoRA loads do this)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from app.errors import InvalidRequest, UnknownAdapter
 from app.names import check_name, parse_ref
 
 UNLOADABLE_REASON_CHARS = 2000  # a reason is one error message; longer ones are cut
+MAX_VERSIONS = 16  # versions of a name a runtime LoRA load keeps (the newest promoted one always stays)
 
 
 @contextlib.contextmanager
@@ -53,17 +58,32 @@ class AdapterRegistry(CatalogConnection):
         tenant: str | None = None,
         public: bool = False,
         use_rslora: bool = False,
+        staged: bool = False,
+        keep: int = 0,
     ) -> AdapterRecord:
-        """Add a new version of `name` (1 for a new name) and make it the newest, atomically."""
+        """Add a new version of `name` (1 for a new name) and make it the newest, atomically; `staged`: store it
+        without making it the newest (promote() does). Drops all but the newest `keep` versions (0: keep all)."""
         body = record_body(
             name, uri, files=files, size=size, rank=rank, alpha=alpha, target_modules=target_modules,
             base_model=base_model, tenant=tenant, public=public, use_rslora=use_rslora,
         )  # fmt: skip
         with _tenant_errors(tenant):
             version = self._scripts["REGISTER"](
-                keys=self._register_keys(name), args=self._register_args(body)
+                keys=self._register_keys(name), args=self._register_args(body, staged, keep)
             )
         return AdapterRecord.from_dict({**body, "version": int(version)})
+
+    @guard
+    def promote(self, ref: str) -> bool | None:
+        """Make the staged `name@v` what `name` resolves to, announced as "registered". False when a newer
+        version already is (it stays), None when the version is gone (removed meanwhile)."""
+        name, version = parse_ref(ref)
+        if version is None:
+            raise InvalidRequest(f"promote needs name@version, got {ref!r}")
+        got = int(
+            self._scripts["PROMOTE"](keys=[self._k("adapter", name)], args=[name, version, self._channel])
+        )
+        return None if got < 0 else got == 1
 
     @guard
     def register_many(self, entries: Iterable[dict[str, Any]], batch: int = 1000) -> list[int]:
@@ -75,7 +95,9 @@ class AdapterRegistry(CatalogConnection):
             pipe = self._r.pipeline(transaction=False)
             for body in bodies[start : start + batch]:
                 self._scripts["REGISTER"](
-                    keys=self._register_keys(body["name"]), args=self._register_args(body), client=pipe
+                    keys=self._register_keys(body["name"]),
+                    args=self._register_args(body, False, 0),
+                    client=pipe,
                 )
             with _tenant_errors(None):
                 versions += [int(v) for v in pipe.execute()]
@@ -92,8 +114,15 @@ class AdapterRegistry(CatalogConnection):
     def _register_keys(self, name: str) -> list[str]:
         return [self._k("adapter", name), self._k("adapters"), self._k("versions"), self._k("tenants")]
 
-    def _register_args(self, body: dict[str, Any]) -> list[str]:
-        return [body["name"], json.dumps(body), self._channel, body["tenant"] or ""]
+    def _register_args(self, body: dict[str, Any], staged: bool, keep: int) -> list[Any]:
+        return [
+            body["name"],
+            json.dumps(body),
+            self._channel,
+            body["tenant"] or "",
+            "1" if staged else "",
+            keep,
+        ]
 
     @staticmethod
     def _record(body: str, pinned: str) -> AdapterRecord:

@@ -2,16 +2,25 @@
 
 Each beat stores the replica's info under a Redis TTL and its expiry (server clock) in a sorted set; the
 scripts that read or write placement first reap replicas whose expiry passed, removing them from every
-adapter's placement set, so a dead replica vanishes without anyone having to notice it died."""
+adapter's placement set, so a dead replica vanishes without anyone having to notice it died.
+
+Pushed versions: a replica that loaded a version pushed to it (a "staged" event, app/replica/catalog_sync.py)
+answers in `warm:<name@v>` (replica id -> "warm" or "failed: why", kept WARM_TTL_S) and with a "warm" event; the
+ingress that staged the version waits for the holders' answers before promoting it
+(app/router/routing/version_push.py)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 from app.catalog.conn import CatalogConnection, guard
 from app.catalog.records import ReplicaInfo
 from app.errors import InvalidRequest
+from app.names import parse_ref
 from app.protocol import ReplicaStats
+
+WARM_TTL_S = 300
 
 
 class ReplicaDirectory(CatalogConnection):
@@ -66,3 +75,30 @@ class ReplicaDirectory(CatalogConnection):
     def drop_replica(self, replica_id: str) -> None:
         """Forget a replica now (clean shutdown) instead of waiting for its heartbeat to expire."""
         self._scripts["DROP_REPLICA"](keys=[], args=[self.ns, replica_id])
+
+    @guard
+    def holders(self, name: str) -> list[str]:
+        """Live replicas whose last heartbeat holds some version of `name` (a device slot or host memory)."""
+        prefix = f"{name}@"
+        return sorted(
+            r for r, info in self.replicas().items() if any(a.startswith(prefix) for a in info.resident)
+        )
+
+    @guard
+    def note_warm(self, ref: str, replica_id: str, outcome: str) -> None:
+        """A replica's answer to the pushed version `ref`: "warm" (servable there without a fetch) or
+        "failed: why"; announced as {"type": "warm", "name", "version", "replica", "ok", "at"}."""
+        name, version = parse_ref(ref)
+        key = self._k("warm", ref)
+        event = {"type": "warm", "name": name, "version": version, "replica": replica_id,
+                 "ok": outcome == "warm", "at": time.time()}  # fmt: skip
+        pipe = self._r.pipeline()
+        pipe.hset(key, replica_id, outcome)
+        pipe.expire(key, WARM_TTL_S)
+        pipe.publish(self._channel, json.dumps(event))
+        pipe.execute()
+
+    @guard
+    def warm_acks(self, ref: str) -> dict[str, str]:
+        """The answers replicas gave to the pushed version `ref` (replica id -> "warm" or "failed: why")."""
+        return dict(self._r.hgetall(self._k("warm", ref)))

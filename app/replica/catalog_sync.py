@@ -1,5 +1,11 @@
 """A replica's side of the catalog: heartbeats carrying its stats, the tenants' weights for fair admission,
-adapter events (removed, pinned) by pub/sub, and the reconciliation pass that catches events it missed.
+adapter events by pub/sub (removed, pinned, and new versions pushed), and the reconciliation pass that catches
+events it missed.
+
+Pushed versions (fast swaps): when a name this replica holds gets a new version ("staged" by a runtime LoRA load,
+or "registered"), the replica loads it at once, beside the old one (requests pinned to the old version keep being
+served by it), and answers "warm" in the catalog (Catalog.note_warm) so the ingress can make it the newest; the
+first request for the new version then finds it loaded. The log says how long each push took.
 
 Redis may be down at start or at any time after: the replica serves what it holds, heartbeats retry every
 heartbeat_s, and the connection is made again on the next beat.
@@ -7,13 +13,14 @@ heartbeat_s, and the connection is made again on the next beat.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
+from app.adapter_record import AdapterRecord
 from app.config.app_config import AppConfig
 from app.errors import LoraLandError
 from app.protocol import ReplicaStats
@@ -61,11 +68,15 @@ class CatalogSync:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="loraland-heartbeat", daemon=True)
         self._thread.start()
-        if self.catalog is not None:
-            try:
-                self._unsubscribe = self.catalog.subscribe(self.on_event)
-            except Exception as e:
-                log.warning("cannot subscribe to catalog events (%s); removed adapters unload on restart", e)
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        if self.catalog is None or self._unsubscribe is not None:
+            return
+        try:
+            self._unsubscribe = self.catalog.subscribe(self.on_event)
+        except Exception as e:
+            log.warning("cannot subscribe to catalog events (%s); retrying at the next heartbeat", e)
 
     def _loop(self) -> None:
         failing = False
@@ -90,6 +101,7 @@ class CatalogSync:
             self.catalog = connect_catalog(self.redis_url)
             if self.catalog is None:
                 return
+        self._subscribe()  # once: when Redis was away at start, events start with the first heartbeat
         s = self.stats()
         load = s.busy / max(1, self.cfg.max_ongoing_requests)
         self.catalog.heartbeat(s, load=load, ttl_s=self.cfg.heartbeat_ttl_s)
@@ -120,10 +132,14 @@ class CatalogSync:
             log.warning("catalog reconciliation failed (%s); retrying in %ss", e, self.cfg.heartbeat_ttl_s)
 
     def on_event(self, event: dict) -> None:
-        """A catalog change event (Catalog.subscribe's JSON): removed or pinned versions of an adapter."""
+        """A catalog change event (Catalog.subscribe's JSON): a new version of an adapter (pushed here when an
+        older one is held), or removed or pinned versions."""
         name, kind = event.get("name"), event.get("type")
         versions = event.get("versions") or ([event["version"]] if event.get("version") is not None else None)
         if not isinstance(name, str):
+            return
+        if kind in ("staged", "registered") and isinstance(event.get("version"), int):
+            self.push(name, event["version"], answer=kind == "staged")
             return
         for ref in self.fetcher.refs_of(name, versions):
             try:
@@ -134,12 +150,44 @@ class CatalogSync:
             except Exception as e:  # already gone, or in use: the kernel's LRU finishes the job
                 log.info("catalog event %s for %s: %s", kind, ref, e)
 
-    async def mark_unloadable(self, ref: str, reason: str) -> None:
+    def push(self, name: str, version: int, *, answer: bool) -> None:
+        """Load `name@version` now if an older version of `name` is held here (on the fetcher's threads; this is
+        the listener's); `answer`: tell the catalog when it is servable (the ingress waits for it)."""
+        held = self.fetcher.versions_of(name)
+        if not held or (not answer and version <= held[-1]):
+            return  # not held here (it loads on its first request), or already here or older (a late event)
+        t0 = time.monotonic()
+        ref = f"{name}@{version}"
+        try:
+            record = self.catalog.get(ref)
+        except Exception as e:  # Redis away: the version loads on its first request
+            log.warning("push of %s skipped: cannot read its record (%s)", ref, e)
+            return
+        if record is None or record.unloadable:
+            self._answer(ref, "failed: no loadable record", answer)
+            return
+        self.fetcher.start(record).add_done_callback(lambda f: self._pushed(record, f, t0, answer))
+
+    def _pushed(self, record: AdapterRecord, fut: Future, t0: float, answer: bool) -> None:
+        err = "cancelled" if fut.cancelled() else fut.exception()
+        outcome = "warm" if err is None else f"failed: {err}"
+        log.info("pushed %s: %s %.3fs after its event", record.ref, outcome, time.monotonic() - t0)
+        self._answer(record.ref, outcome, answer)
+
+    def _answer(self, ref: str, outcome: str, answer: bool) -> None:
+        if not answer or self.catalog is None:
+            return
+        try:
+            self.catalog.note_warm(ref, self.replica_id, outcome)
+        except Exception as e:  # the ingress stops waiting at its timeout
+            log.warning("cannot answer the push of %s (%s)", ref, e)
+
+    def mark_unloadable(self, ref: str, reason: str) -> None:
         """Record in the catalog that `ref` cannot load on this base model (other replicas stop trying)."""
         if self.catalog is None:
             return
         try:
-            await asyncio.to_thread(self.catalog.mark_unloadable, ref, reason)
+            self.catalog.mark_unloadable(ref, reason)
         except Exception as e:  # this replica still remembers; others find out on their own first load
             log.warning("cannot mark %s unloadable in the catalog (%s)", ref, e)
 

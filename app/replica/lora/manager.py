@@ -1,7 +1,11 @@
 """Adapter tiers: device slots (pools.py) <- host cache <- sources, with LRU eviction and background loads.
 
 The registry maps keys ("name@version", or a merge's name) to entries; `current` names each adapter's newest live
-version. Retiring an entry (unload, a newer version, or the retirement of a component of a merge) makes new
+version, what a lookup by bare name finds. An older version stays servable to requests pinned to it
+(`name@v`: those the router resolved before the newer one arrived) until it has been unused for
+`superseded_grace_s`; then the engine thread drops it (device slot and host copy freed), so a name that gets a
+new version every few seconds holds flat memory. Retiring an entry (unload, the catalog removing that version,
+or the retirement of a component of a merge; a merge also retires when a component is superseded) makes new
 lookups miss it while the sequences already submitted finish on it; it leaves when the last one does.
 
 Threads: the registry (register/unload/set_pinned/submitted/weights_of) is called from caller threads under
@@ -21,39 +25,23 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-
-import torch
-from loraland_kernels import lora as K
+from concurrent.futures import ThreadPoolExecutor
 
 from app import metrics
 from app.config.model_config import ModelConfig
+from app.errors import UnknownAdapter
 from app.replica.lora.dora import BaseWeights, with_dora_scales
-from app.replica.lora.pools import LoraBatch, Pool, PoolPlan, signature
+from app.replica.lora.entry import AdapterEntry
+from app.replica.lora.pools import LoraBatch, Pool, signature
+from app.replica.lora.step_plan import plan_lora_batch
 from app.replica.lora.vocab import with_vocab_copies
 from app.replica.lora.weights import LoraWeights
 from app.replica.sequence import NEVER, Sequence, alora_start
 
 log = logging.getLogger("loraland.adapters")
 
-
-@dataclass
-class AdapterEntry:
-    key: str  # "name@version": what sequences and prefix hashes refer to
-    name: str
-    version: int
-    loader: Callable[[], LoraWeights]  # reads the adapter again after host eviction
-    weights: LoraWeights | None = None
-    parts: tuple[str, ...] = ()  # keys this entry is built from (a merge): it retires with any of them
-    loading: Future | None = None
-    slot: tuple[Pool, int] | None = None
-    refs: int = 0  # running sequences using the device slot
-    pending: int = 0  # submitted, unfinished sequences
-    pinned: bool = False
-    retired: bool = False  # unloaded or replaced by a newer version: no new requests
-    last_used: float = field(default_factory=time.monotonic)
-    alora: tuple[int, ...] | None = None  # an activated LoRA's invocation tokens (known once installed)
+SUPERSEDED_GRACE_S = 2.0  # an unused older version is dropped after this long (covers lookup -> submit)
+PRUNE_EVERY_S = 0.25
 
 
 class AdapterManager:
@@ -90,6 +78,8 @@ class AdapterManager:
         self.on_ready = on_ready
         self.loads = 0
         self.evictions = 0
+        self.superseded_grace_s = SUPERSEDED_GRACE_S
+        self._next_prune = 0.0
 
     # ------------------------------------------------------------------ registry (caller threads)
     def register(
@@ -101,10 +91,11 @@ class AdapterManager:
         *,
         parts: tuple[str, ...] = (),
     ) -> AdapterEntry:
-        """Make `weights` (re-read by `loader` after host eviction) the live version of `name`, retiring the
-        previous one. `parts`: the keys of the adapters a merge is built from; the new entry retires with any of
-        them. Raises KeyError when one of them is already unloaded or replaced (the caller raced an unload), and
-        InvalidAdapter for a DoRA adapter the base weights do not fit."""
+        """Register version `version` of `name` (`weights`, re-read by `loader` after host eviction): the current
+        one unless a newer version is (then it serves requests pinned to it, beside the newer). `parts`: the keys
+        of the adapters a merge is built from; the new entry retires with any of them. Raises KeyError when one
+        of them is already unloaded or replaced (the caller raced an unload), and InvalidAdapter for a DoRA
+        adapter the base weights do not fit."""
         key = f"{name}@{version}"
         if weights is not None:
             weights = self._prepare(weights)  # the caller's thread, not the engine's
@@ -117,16 +108,18 @@ class AdapterManager:
             if prev is not None:
                 # The same name@version again (a request pinned to an older version, or a reload): versions are
                 # immutable, so the entry comes back to life with its device slot, which a new entry would leak
-                entry, prev.retired, prev.loader = prev, False, loader
+                entry, prev.retired, prev.loader, prev.last_used = prev, False, loader, time.monotonic()
                 if prev.weights is None:
                     prev.weights = weights
             else:
                 entry = AdapterEntry(key, name, version, loader, weights=weights, parts=tuple(parts))
-            if old is not None and old != key:
-                entry.pinned = self.entries[old].pinned
-                self._retire(self.entries[old])
             self.entries[key] = entry
-            self.current[name] = key
+            older = old is not None and old != key and self.entries[old].version > version
+            if not older:
+                if old is not None and old != key:
+                    entry.pinned = self.entries[old].pinned
+                    self._supersede(self.entries[old])
+                self.current[name] = key
             if weights is not None:
                 self._touch_host(key)
         return entry
@@ -137,6 +130,17 @@ class AdapterManager:
             if key is None:
                 raise KeyError(name)
             self._retire(self.entries[key])
+
+    def retire(self, key: str) -> None:
+        """No new lookups of the version `key` (the catalog removed it); its running sequences finish on it."""
+        with self._lock:
+            self._retire(self.entries[key])
+
+    def _supersede(self, e: AdapterEntry) -> None:
+        """Under the lock: `e` is no longer its name's current version; merges built from it retire."""
+        e.pinned, e.last_used = False, time.monotonic()
+        for d in [d for d in self.entries.values() if e.key in d.parts and not d.retired]:
+            self._retire(d)
 
     def _retire(self, e: AdapterEntry) -> None:
         """Under the lock: no new lookups find `e`, nor any entry built from it; running sequences finish."""
@@ -174,13 +178,7 @@ class AdapterManager:
         it again after the host LRU drops it). `list()` copies the dict in one step under the GIL, so the
         engine thread's changes cannot break the iteration."""
         entries = list(self.entries.values())
-        return sorted(
-            {
-                e.name
-                for e in entries
-                if not e.retired and (e.weights is not None or e.slot is not None or e.loading is not None)
-            }
-        )
+        return sorted({e.name for e in entries if not e.retired and e.in_memory})
 
     def host_count(self) -> int:
         """Adapters parsed in host memory (the host LRU's length)."""
@@ -193,7 +191,12 @@ class AdapterManager:
 
     def submitted(self, key: str) -> None:
         with self._lock:
-            self.entries[key].pending += 1
+            e = self.entries.get(key)
+            if e is None:  # dropped between the caller's lookup and now (unused past the grace period)
+                raise UnknownAdapter(
+                    f"adapter {key!r} was unloaded or replaced as the request started: retry"
+                )
+            e.pending += 1
 
     # ------------------------------------------------------------------ engine thread
     def finished(self, seq: Sequence) -> None:
@@ -207,11 +210,29 @@ class AdapterManager:
 
     def _maybe_drop(self, e: AdapterEntry) -> None:
         if e.retired and e.pending <= 0 and e.refs <= 0:
-            if e.slot is not None:
-                e.slot[0].remove(e.slot[1])
-                e.slot = None
-            self.entries.pop(e.key, None)
-            self.host_lru.pop(e.key, None)
+            self._drop(e)
+
+    def _drop(self, e: AdapterEntry) -> None:
+        """Engine thread, under the lock: forget `e`, freeing its device slot and host copy."""
+        if e.slot is not None:
+            e.slot[0].remove(e.slot[1])
+            e.slot = None
+        self.entries.pop(e.key, None)
+        self.host_lru.pop(e.key, None)
+
+    def _prune(self) -> None:
+        """Engine thread: drop versions that are not current (superseded or retired), idle for the grace period
+        and unused (no submitted or running sequence, no read in flight); merges built from them retire."""
+        now = time.monotonic()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + PRUNE_EVERY_S
+        with self._lock:
+            for e in list(self.entries.values()):
+                stale = e.retired or self.current.get(e.name) != e.key
+                if stale and e.unused_for(self.superseded_grace_s, now):
+                    self._retire(e)
+                    self._drop(e)
 
     def admit(self, seq: Sequence) -> bool:
         if seq.adapter is None:
@@ -249,40 +270,13 @@ class AdapterManager:
         return (pool.index, slot)
 
     def lora_batch(self, seqs_tokens: list[tuple[Sequence, int]]) -> LoraBatch | None:
-        """seqs_tokens: the batch in sort_key order, with each sequence's token count this step (from
-        seq.num_computed on). An activated LoRA's tokens before its activation point are base tokens (slot -1):
-        a chunk wholly before it sorts among the base ones (batch_builder); a chunk that crosses it gets a plan
-        of its own, its leading tokens -1, since the kernels want slot -1 tokens first."""
-        plans, t, i = [], 0, 0
-        while i < len(seqs_tokens):
-            seq, n = seqs_tokens[i]
-            if seq.adapter is None or seq.base_tokens(seq.num_computed, n) == n:
-                t += n
-                i += 1
-                continue
-            pool = self.entries[seq.adapter].slot[0]
-            start, slots = t, []
-            while i < len(seqs_tokens):
-                s, n = seqs_tokens[i]
-                pre = 0 if s.adapter is None else s.base_tokens(s.num_computed, n)
-                if (
-                    s.adapter is None
-                    or pre == n
-                    or self.entries[s.adapter].slot[0] is not pool
-                    or (pre and slots)
-                ):
-                    break
-                slots += [-1] * pre + [self.entries[s.adapter].slot[1]] * (n - pre)
-                t += n
-                i += 1
-                if pre:  # the crossing chunk's plan holds it alone
-                    break
-            ids = torch.tensor(slots, dtype=torch.int64, device=self.device)
-            plans.append(PoolPlan(pool, start, t, K.build_segments(ids, pool.high_water())))
-        return LoraBatch(plans) if plans else None
+        """This step's LoRA plan (step_plan.py), `seqs_tokens` in sort_key order."""
+        return plan_lora_batch(self.entries, seqs_tokens, self.device)
 
     def poll(self) -> dict[str, str]:
-        """Collect finished background loads; returns {key: error} for the loads that failed."""
+        """Collect finished background loads; returns {key: error} for the loads that failed. Prunes unused
+        old versions now and then."""
+        self._prune()
         with self._lock:
             done, self._loaded = self._loaded, []
         failed = {}
@@ -374,6 +368,12 @@ class AdapterManager:
                 metrics.EVICTIONS.labels(metrics.adapter_seen(self.entries[victim].name), "host").inc()
 
     # ------------------------------------------------------------------ introspection
+    def tiers(self) -> dict[str, str]:
+        """Live keys servable without a fetch, each "device" (in a slot) or "host" (host memory, or being read
+        in); versions, unlike `resident` and `in_memory`, which name adapters."""
+        entries = list(self.entries.values())
+        return {e.key: "device" if e.slot else "host" for e in entries if not e.retired and e.in_memory}
+
     def resident(self) -> list[str]:
         return sorted(e.name for e in self.entries.values() if e.slot is not None and not e.retired)
 

@@ -9,8 +9,9 @@ replicas from the same ReplicaStats (app/router/routing/request_router.py).
 `GET /v1/residency/events` (admin): server-sent events, one JSON object per `data:` line, each with a `type`:
 first a `snapshot` (the body of GET /v1/residency), then `loaded` / `evicted` / `tier` (an adapter version came
 into, left, or moved between tiers of a replica), `replica_up` / `replica_down`, and the catalog's adapter events
-`registered` / `removed` / `pinned` / `unloadable` (a new version, a removal, a pin change, a version found not to
-load) as they are published. Residency changes are found by comparing heartbeats every `poll_s` (query
+`staged` / `warm` / `registered` / `removed` / `pinned` / `unloadable` (a new version stored and pushed to the
+holders, a holder's answer to the push, the new version now the newest, a removal, a pin change, a version found
+not to load) as they are published. Residency changes are found by comparing heartbeats every `poll_s` (query
 parameter, default 0.5 s), so they lag the replica by up to one heartbeat period plus poll_s; catalog events
 arrive at once. `duration_s` (optional) ends the stream after that many seconds. A `: keep-alive` comment is
 sent every 15 s of silence. Format in docs/api.md#residency.
@@ -30,7 +31,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from app.router.http.auth import Authenticator
 from app.router.http.errors import HTTPFailure
 
-CATALOG_EVENTS = frozenset({"registered", "removed", "pinned", "unloadable"})  # not tenants' key events
+CATALOG_EVENTS = frozenset(
+    {"staged", "warm", "registered", "removed", "pinned", "unloadable"}
+)  # not key events
 KEEPALIVE_S = 15.0
 
 
@@ -107,6 +110,8 @@ def catalog_event(event: dict) -> dict | None:
         out["versions"] = event["versions"]
     if kind == "pinned":
         out["pinned"] = bool(event.get("pinned", True))
+    if kind == "warm":  # a replica's answer to a pushed version, with the replica's own clock
+        out.update(replica=event.get("replica"), ok=bool(event.get("ok")), at=event.get("at", out["at"]))
     return out
 
 

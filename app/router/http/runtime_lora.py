@@ -8,15 +8,18 @@ successfully." / "... removed successfully."; a failure is vLLM's JSON error, {"
 without `load_inplace` is a 400; unloading a name that is not there is a 404.
 
 Unlike vLLM, a load is a new catalog version: a new name gets version 1, `load_inplace` of a name adds the next
-version, and the call returns once a replica fetched and validated that version against the base model (the same
-path as `POST /v1/adapters`: local folders only under the allowed roots, s3:// and hf:// URIs) and the catalog
-made it the newest. Every request resolved after that is served by it; replicas that held an older version load
-the new one on demand. Bad input changes nothing in the catalog. Unload removes every version of the name (or
-one, `name@v`); requests already running finish on the version they started with.
+version. A replica fetches and validates it against the base model first (the same path as `POST /v1/adapters`:
+local folders only under the allowed roots, s3:// and hf:// URIs); the catalog stages it; the replicas holding
+the name load it beside the old version (app/router/routing/version_push.py, up to PUSH_TIMEOUT_S); then it
+becomes the newest and the call returns. Every request resolved after that is served by it, warm on the holders;
+requests resolved before finish on the old version. Bad input changes nothing in the catalog. Unload removes
+every version of the name (or one, `name@v`); requests already running finish on the version they started with.
+A runtime load keeps the name's newest MAX_VERSIONS versions in the catalog (older ones are removed).
 
 Who may call: the admin token, or a tenant's key for its own adapters (a name a tenant loads first is its own,
-private). The answer names the new version in the header `x-loraland-adapter-version` (`name@v`); completions
-carry the same header for the versions that served them (version_header below).
+private). The answer names the new version in the header `x-loraland-adapter-version` (`name@v`), and the push in
+`x-loraland-warm-replicas` (holders that loaded it / holders) and `x-loraland-push-seconds` (the wait for them);
+completions carry the version header for the versions that served them (version_header below).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from app.catalog.registry import MAX_VERSIONS
 from app.names import ModelSpec, check_name, parse_ref
 from app.router.http import openai_requests as bodies
 from app.router.http.auth import Authenticator, Caller
 from app.router.http.errors import error_reply
 from app.router.routing.replica_client import call
+from app.router.routing.version_push import push_and_promote
 
 VERSION_HEADER = "x-loraland-adapter-version"
+WARM_HEADER, PUSH_SECONDS_HEADER = "x-loraland-warm-replicas", "x-loraland-push-seconds"
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
           404: "NotFoundError", 413: "BadRequestError", 429: "RateLimitError"}  # fmt: skip
 
@@ -126,17 +132,21 @@ def add_runtime_lora_routes(api: FastAPI, auth: Authenticator, service: Any) -> 
         info = await call(service.backend, "inspect_adapter", path)
         tenant = current.tenant if current is not None else caller.tenant
         public = current.public if current is not None else False
+        holders = await asyncio.to_thread(catalog().holders, name) if current is not None else []
         record = await asyncio.to_thread(
             lambda: catalog().register(
                 name, path, files=info["files"], size=info["size"], rank=info["rank"], alpha=info["alpha"],
                 target_modules=info["target_modules"], base_model=info["base_model"], tenant=tenant,
-                public=public, use_rslora=bool(info.get("use_rslora")),
+                public=public, use_rslora=bool(info.get("use_rslora")), staged=True, keep=MAX_VERSIONS,
             )
         )  # fmt: skip
+        push = await push_and_promote(catalog(), record, holders)
         service.forget(name)
-        return PlainTextResponse(
-            f"Success: LoRA adapter '{name}' added successfully.", headers={VERSION_HEADER: record.ref}
-        )
+        if push.promoted is None:
+            raise VllmError(404, f"The lora adapter '{name}' was unloaded while {record.ref} was loading.")
+        headers = {VERSION_HEADER: record.ref, WARM_HEADER: push.summary,
+                   PUSH_SECONDS_HEADER: f"{push.seconds:.3f}"}  # fmt: skip
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.", headers=headers)
 
     async def _unload(caller: Caller, body: dict) -> Response:
         ref = _field(body, "lora_name")
