@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 
 PROMPTS = ["the quick brown fox", "hello world", "once upon a time", "to be or not"]
-HDR = "x-loraland-adapter-version"
+HDR, WARM, PUSH_S = "x-loraland-adapter-version", "x-loraland-warm-replicas", "x-loraland-push-seconds"
 
 
 def rl_step(prev: Path, out: Path, rng: np.random.Generator, scale: float = 0.05) -> Path:
@@ -47,6 +47,9 @@ class Churn:
         self.names = [f"rl{i}" for i in range(args.churn)]
         self.latest: dict[str, int] = {}
         self.loaded_at: dict[str, float] = {}  # ref -> monotonic time its load returned
+        self.returned_wall: dict[str, float] = {}  # ref -> wall time its load returned (vs replicas' answers)
+        self.pushes: list[tuple[float, int, int]] = []  # (push seconds, warm holders, holders) per churn load
+        self.warm_wall: dict[str, list[float]] = {}  # ref -> wall times replicas answered "warm" (SSE events)
         self.first_served: dict[str, float] = {}
         self.load_s: list[float] = []
         self.swap_s: list[float] = []
@@ -71,15 +74,28 @@ class Churn:
         if r.status_code != 200:
             raise RuntimeError(f"load {name} v{v}: {r.status_code} {r.text}")
         ref = r.headers[HDR]
-        self.loaded_at[ref] = time.monotonic()
+        self.loaded_at[ref], self.returned_wall[ref] = time.monotonic(), time.time()
+        if self.probe:
+            warm, holders = (int(x) for x in r.headers[WARM].split("/"))
+            self.pushes.append((float(r.headers[PUSH_S]), warm, holders))
         self.load_s.append(self.loaded_at[ref] - t0)
         self.folders[ref] = folder
         self.latest[name] = int(ref.rpartition("@")[2])
-        if self.probe:  # the swap: from the load returning to a replica answering on the new version
+        if self.probe:  # from the load returning to a 1-token answer on the new version (warm if pushed)
             pr = await c.post("/v1/completions", headers=self.headers,
                               json={"model": name, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0})  # fmt: skip
             if pr.status_code == 200 and pr.headers.get(HDR) == ref:
                 self.swap_s.append(time.monotonic() - self.loaded_at[ref])
+
+    async def warm_events(self, c: httpx.AsyncClient, seconds: float) -> None:
+        """The replicas' "warm" answers to pushed versions, from the residency event stream."""
+        url = f"/v1/residency/events?poll_s=30&duration_s={seconds:.0f}"
+        async with c.stream("GET", url, headers=self.headers) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ev = json.loads(line[6:])
+                    if ev.get("type") == "warm" and ev.get("ok"):
+                        self.warm_wall.setdefault(f"{ev['adapter']}@{ev['version']}", []).append(ev["at"])
 
     async def swapper(self, c: httpx.AsyncClient, until: float) -> None:
         while time.monotonic() < until:
@@ -127,7 +143,7 @@ class Churn:
             tasks = [self.client(c, until, name, i) for i in range(self.args.clients)]
             self.probe = churn
             if churn:
-                tasks.append(self.swapper(c, until))
+                tasks += [self.swapper(c, until), self.warm_events(c, duration + 5)]
             await asyncio.gather(*tasks)
 
     def reference(self, served: str, prompt: str) -> str:
@@ -165,6 +181,9 @@ class Churn:
                 "wrong_examples": [{k: r.get(k) for k in ("model", "served", "prompt", "text")} for r in wrong[:5]],
             }  # fmt: skip
         swaps = [self.first_served[r] - self.loaded_at[r] for r in self.first_served]
+        # Every holder warm, relative to the load returning (<= 0: warm before it returned, as pushes intend).
+        lag = [max(ts) - self.returned_wall[r] for r, ts in self.warm_wall.items() if r in self.returned_wall]
+        push_s = [p[0] for p in self.pushes]
         out["swaps"] = {
             "versions_loaded": len(self.load_s),
             "load_call_p50_s": pct(self.load_s, 0.5),
@@ -175,6 +194,13 @@ class Churn:
             "served_after_load_p50_s": pct(swaps, 0.5),
             "served_after_load_p99_s": pct(swaps, 0.99),
             "versions_served": len(self.first_served),
+            "push_p50_s": pct(push_s, 0.5),
+            "push_p99_s": pct(push_s, 0.99),
+            "pushed_loads": sum(1 for p in self.pushes if p[2]),
+            "pushed_all_holders_warm": sum(1 for p in self.pushes if p[2] and p[1] == p[2]),
+            "holders_warm_after_return_p50_s": pct(lag, 0.5),
+            "holders_warm_after_return_p99_s": pct(lag, 0.99),
+            "holders_warm_after_return_max_s": max(lag) if lag else None,
         }
         # Is the wrong-version check able to see a wrong version? Distinct reference texts per churned adapter.
         texts: dict[tuple[str, str], set[str]] = {}
