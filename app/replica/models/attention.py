@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from loraland_kernels import fused
 
 from app.replica.models.batch import ForwardBatch
 
 
 def stale_slots(b: ForwardBatch, block_size: int) -> torch.Tensor | None:
-    """Cache slots (block * block_size + offset) past each decode row's length in its own last block. They are
+    """(The torch decode path only: the fused one reads no slot past a row's length.) Cache slots (block * block_size + offset) past each decode row's length in its own last block. They are
     stale: a reused block's previous owner left them, maybe inf/NaN (a prefill aborted midway). Decode attention
     reads them (and the padding, which repeats the row's first block) under a mask of weight 0, but 0 * NaN is
     NaN, so the forward zeroes them before attention. No one else writes there: the slots are the row's own,
@@ -39,7 +40,11 @@ def paged_attention(
     T, H, d = q.shape
     Hkv = k.shape[1]
     out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
-    if b.decode_idx is not None:
+    if b.decode_idx is not None and fused.enabled(q.device):  # reads only each row's own live slots
+        bt, lens = b.decode_block_tables, b.decode_ctx_lens
+        scale_ = d**-0.5 if scale is None else scale
+        fused.decode_attention_(q, kc, vc, b.decode_idx, bt, lens, window, scale_, out.view(T, H * d))
+    elif b.decode_idx is not None:
         bt = b.decode_block_tables
         nb, bs = bt.shape[1], kc.shape[1]
         keys = kc[bt].view(bt.shape[0], nb * bs, Hkv, d)  # gathered: a copy

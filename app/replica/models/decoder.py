@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from loraland_kernels import fused
 
 from app.config.model_config import ModelConfig
 from app.replica.kv_cache import KVCache
@@ -87,6 +88,7 @@ class Model:
         )
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        self.fused = fused.enabled(device)  # the fused CPU ops (loraland_kernels.fused) are built and loaded
 
     def linears(self) -> list[PackedLinear]:
         return [self.lm_head] + [lin for layer in self.layers for lin in layer.linears()]
@@ -123,9 +125,11 @@ class Model:
         if self.embed_scale is not None:
             h.mul_(self.embed_scale)
         rope = [r.cos_sin(b.positions, b.seq_lens, self.dtype) for r in self.ropes]
-        stale = stale_slots(b, kv.k[0].shape[1]) if b.decode_idx is not None else None
+        fast = self.fused
+        stale = stale_slots(b, kv.k[0].shape[1]) if b.decode_idx is not None and not fast else None
+        delta = None  # the last block's output, added to the residual stream h inside the next norm
         for li, L in enumerate(self.layers):
-            x = L.attn_norm(h)
+            x = L.attn_norm.add_norm(h, delta)
             qkv = L.qkv(x)
             if lora is not None:
                 lora.apply(li, "qkv", x, qkv)
@@ -133,13 +137,16 @@ class Model:
             k = qkv[:, qs : qs + ks].unflatten(1, (Hkv, d))
             v = qkv[:, qs + ks :].unflatten(1, (Hkv, d))
             if L.q_norm is not None:
-                q.copy_(L.q_norm(q))
-                k.copy_(L.k_norm(k))
+                q.copy_(L.q_norm(q.reshape(-1, d)).view_as(q))
+                k.copy_(L.k_norm(k.reshape(-1, d)).view_as(k))
             cos, sin = rope[self.layer_rope[li]]
-            _rotate_qk_(qkv, qs + ks, H + Hkv, d, cos, sin)
             kc, vc = kv.k[li], kv.v[li]
-            kc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, k)
-            vc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, v)
+            if fast:  # rotary on q and k, k and v into the cache: one pass
+                fused.rope_cache_(qkv, H, Hkv, d, cos, sin, b.slot_mapping, kc, vc)
+            else:
+                _rotate_qk_(qkv, qs + ks, H + Hkv, d, cos, sin)
+                kc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, k)
+                vc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, v)
             if stale is not None:
                 kc.view(-1, Hkv, d).index_fill_(0, stale, 0.0)
                 vc.view(-1, Hkv, d).index_fill_(0, stale, 0.0)
@@ -147,8 +154,7 @@ class Model:
             o = L.o(attn)
             if lora is not None:
                 lora.apply(li, "o", attn, o)
-            h.add_(o if L.attn_out_norm is None else L.attn_out_norm(o))
-            x = L.mlp_norm(h)
+            x = L.mlp_norm.add_norm(h, o if L.attn_out_norm is None else L.attn_out_norm(o))
             if L.moe is not None:  # LoRA on the experts (never the router: refused at adapter load)
                 dn = L.moe(x, lora, li)
             else:
@@ -159,8 +165,9 @@ class Model:
                 dn = L.down(m)
                 if lora is not None:
                     lora.apply(li, "down", m, dn)
-            h.add_(dn if L.mlp_out_norm is None else L.mlp_out_norm(dn))
-        h = self.norm(h.index_select(0, b.logits_idx))
+            delta = dn if L.mlp_out_norm is None else L.mlp_out_norm(dn)
+        # only the sampled rows go on: the last block's output is added to those rows alone
+        h = self.norm.add_norm(h.index_select(0, b.logits_idx), delta.index_select(0, b.logits_idx))
         logits = self.lm_head(h)
         if lora is not None:  # each row is a sampled (or prompt-logprob) position: its own token's adapter
             lora.head(b.logits_idx, h, logits)

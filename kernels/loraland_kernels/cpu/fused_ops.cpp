@@ -1,0 +1,340 @@
+// LoRA-Land's fused CPU ops: the per-layer work around the GEMMs, one pass over memory each.
+//
+// Built on the machine that runs it (kernels/loraland_kernels/cpu_build.py: g++ -O3 -march=native), loaded with
+// torch.ops.load_library, called as torch.ops.loraland.*; kernels/loraland_kernels/fused.py is the Python face
+// and keeps a torch fallback for each op. Rounding follows Hugging Face's op order in the model dtype: every
+// intermediate that HF rounds to bf16/fp16 is rounded here too (T-typed temporaries), and the build turns off
+// fused multiply-add contraction, so fp32 results differ from HF only by the order of long sums.
+//
+// Threads: at::parallel_for, i.e. torch's own OpenMP team (the same libgomp, torch.get_num_threads()).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <immintrin.h>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f32(T x) {
+  return static_cast<float>(x);
+}
+
+// sum of a[i] * b[i] with 8 independent partial sums (the compiler keeps them in one vector register)
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline float sum_squares(const float* a, int64_t n) { return dot(a, a, n); }
+
+// silu as torch computes it, bit for bit: torch's elementwise loop runs x / (1 + exp(-x)) with Sleef's vector exp
+// on blocks of two vectors from each row's start and with libm's expf on the tail, so the same split is kept
+// here (vec_bytes: the vector width of torch's CPU capability, 32 for AVX2, 64 for AVX512, 0 for none).
+// (GeLU-tanh is not fused: torch's vector formula could not be matched bit for bit.)
+#if defined(__AVX2__)
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#endif
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
+
+inline float silu_scalar(float x) { return x / (1.f + std::exp(-x)); }
+
+// silu over n floats in place, n a multiple of the vector width `lanes` (8 or 16)
+inline void silu_vector(float* x, int64_t n, int lanes) {
+#if defined(__AVX512F__)
+  if (lanes == 16) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), v));
+      _mm512_storeu_ps(x + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  if (lanes == 8) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), v));
+      _mm256_storeu_ps(x + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) x[i] = silu_scalar(x[i]);
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
+}
+
+// rows per task of at::parallel_for for rows of `width` elements: about torch's own grain (32k elements), so that
+// a small call runs on the calling thread instead of waking (and on a busy machine, waiting for) the team
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "loraland fused op: ", name, " must be on the CPU");
+}
+
+// ---- decode attention over the paged cache -------------------------------------------------------------
+
+// q [T, H, d] (rows may be strided, each row's heads contiguous); kc/vc [blocks, bs, Hkv, d] contiguous;
+// decode_idx [Bd] rows of q/out that decode; block_tables [Bd, nb]; ctx_lens [Bd]; out [T, H * d] contiguous.
+// Row b attends to positions [max(0, len - window), len) of its own blocks (window 0: no window); only those
+// slots are read, so stale or padded slots never enter the sums.
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                           const at::Tensor& decode_idx, const at::Tensor& block_tables,
+                           const at::Tensor& ctx_lens, int64_t window, double scale, const at::Tensor& out) {
+  const int64_t H = q.size(1), d = q.size(2), Hkv = kc.size(2), bs = kc.size(1);
+  const int64_t Bd = decode_idx.size(0), nb = block_tables.size(1), group = H / Hkv;
+  const int64_t q_row = q.stride(0), out_row = out.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* idx = decode_idx.data_ptr<int64_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, Bd * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), kf(d), acc(group * d), scores, m(group), z(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, g = item % Hkv, row = idx[b], len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
+      const int64_t* table = bt + b * nb;
+      for (int64_t h = 0; h < group; ++h) to_float(qp + row * q_row + (g * group + h) * d, &qf[h * d], d);
+      scores.resize(group * n);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t t = start; t < len; ++t) {
+        const int64_t slot = table[t / bs] * bs + t % bs;
+        to_float(kp + (slot * Hkv + g) * d, kf.data(), d);
+        for (int64_t h = 0; h < group; ++h) {
+          const float s = dot(&qf[h * d], kf.data(), d) * sc;
+          scores[h * n + (t - start)] = s;
+          m[h] = std::max(m[h], s);
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        float total = 0.f;
+        for (int64_t i = 0; i < n; ++i) {
+          const float e = std::exp(scores[h * n + i] - m[h]);
+          scores[h * n + i] = e;
+          total += e;
+        }
+        z[h] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = start; t < len; ++t) {
+        const int64_t slot = table[t / bs] * bs + t % bs;
+        to_float(vp + (slot * Hkv + g) * d, kf.data(), d);
+        for (int64_t h = 0; h < group; ++h) {
+          const float p = scores[h * n + (t - start)];
+          float* a = &acc[h * d];
+          for (int64_t j = 0; j < d; ++j) a[j] += p * kf[j];
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        T* o = op + row * out_row + (g * group + h) * d;
+        const float inv = 1.f / z[h];
+        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[h * d + j] * inv);
+      }
+    }
+  });
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                      const at::Tensor& decode_idx, const at::Tensor& block_tables, const at::Tensor& ctx_lens,
+                      int64_t window, double scale, const at::Tensor& out) {
+  for (auto* t : {&q, &kc, &vc, &out}) check_cpu(*t, "attention input");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, d], rows packed");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4, "kc/vc must be contiguous 4-D");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) == q.size(1) * q.size(2), "out [T, H*d]");
+  TORCH_CHECK(q.size(1) % kc.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && q.scalar_type() == out.scalar_type(), "dtypes differ");
+  const auto idx = decode_idx.to(at::kLong).contiguous();
+  const auto bt = block_tables.to(at::kLong).contiguous();
+  const auto lens = ctx_lens.to(at::kLong).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(q, kc, vc, idx, bt, lens, window, scale, out);
+  });
+}
+
+// ---- rotary on q and k, then k and v into the cache ----------------------------------------------------
+
+// qkv [T, W] (row stride free, columns contiguous): q heads [0, H*d), k heads [H*d, (H+Hkv)*d), v after.
+// cos/sin [T, 1, half] (rotates each head's first 2 * half dims, HF's rotate_half convention). Then k and v of
+// token t go to cache slot slot_mapping[t] of kc/vc [blocks, bs, Hkv, d].
+template <typename T>
+void rope_cache_impl(const at::Tensor& qkv, int64_t H, int64_t Hkv, int64_t d, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& kc, const at::Tensor& vc) {
+  const int64_t Tn = qkv.size(0), row = qkv.stride(0), half = cos.size(-1);
+  T* x = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  T* kcp = kc.data_ptr<T>();
+  T* vcp = vc.data_ptr<T>();
+  const int64_t kv = Hkv * d;
+  at::parallel_for(0, Tn, grain((H + 2 * Hkv) * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* r = x + t * row;
+      const T* c = cp + t * half;
+      const T* s = sp + t * half;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        T* x1 = r + h * d;
+        T* x2 = x1 + half;
+        for (int64_t j = 0; j < half; ++j) {
+          // HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to T
+          const T a1 = static_cast<T>(f32(x1[j]) * f32(c[j])), b1 = static_cast<T>(f32(x2[j]) * f32(s[j]));
+          const T a2 = static_cast<T>(f32(x2[j]) * f32(c[j])), b2 = static_cast<T>(f32(x1[j]) * f32(s[j]));
+          x1[j] = static_cast<T>(f32(a1) - f32(b1));
+          x2[j] = static_cast<T>(f32(a2) + f32(b2));
+        }
+      }
+      const int64_t slot = sl[t];
+      std::copy(r + H * d, r + H * d + kv, kcp + slot * kv);
+      std::copy(r + H * d + kv, r + H * d + 2 * kv, vcp + slot * kv);
+    }
+  });
+}
+
+void rope_cache(const at::Tensor& qkv, int64_t H, int64_t Hkv, int64_t d, const at::Tensor& cos,
+                const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& kc, const at::Tensor& vc) {
+  for (auto* t : {&qkv, &cos, &sin, &kc, &vc}) check_cpu(*t, "rope input");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (H + 2 * Hkv) * d, "qkv [T, W]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == qkv.size(0) * cos.size(-1),
+              "cos/sin [T, 1, half] contiguous");
+  TORCH_CHECK(2 * cos.size(-1) <= d, "rotary dims exceed head_dim");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.size(2) * kc.size(3) == Hkv * d, "kc/vc layout");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == kc.scalar_type(), "dtypes differ");
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_cache", [&] {
+    rope_cache_impl<scalar_t>(qkv, H, Hkv, d, cos, sin, slots, kc, vc);
+  });
+}
+
+// ---- RMSNorm, with the residual add before it ----------------------------------------------------------
+
+// Per row of x [N, n]: if `residual` is given, residual += x first and the norm reads the sum (x is then the
+// delta and residual the stream, updated in place). Llama style: w * T(x * rsqrt(mean(x^2) + eps)) with the
+// weight multiply in T; gemma style: T(x * rsqrt(...) * w) with w = 1 + weight already formed, in fp32.
+template <typename T, typename W>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, bool add, const at::Tensor& w, double eps,
+                   bool gemma, const at::Tensor& out) {
+  const int64_t N = x.size(0), n = x.size(1);
+  const int64_t xs = x.stride(0), rs = add ? residual.stride(0) : 0, os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* rp = add ? residual.data_ptr<T>() : nullptr;
+  const W* wp = w.data_ptr<W>();
+  T* op = out.data_ptr<T>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N, grain(2 * n), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t i = begin; i < end; ++i) {
+      if (add) {
+        T* r = rp + i * rs;
+        const T* dx = xp + i * xs;
+        for (int64_t j = 0; j < n; ++j) {
+          r[j] = static_cast<T>(f32(r[j]) + f32(dx[j]));
+          buf[j] = f32(r[j]);
+        }
+      } else {
+        to_float(xp + i * xs, buf.data(), n);
+      }
+      const float inv = 1.f / std::sqrt(sum_squares(buf.data(), n) / static_cast<float>(n) + e);
+      T* o = op + i * os;
+      if (gemma) {
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(buf[j] * inv * f32(wp[j]));
+      } else {
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(f32(wp[j]) * f32(static_cast<T>(buf[j] * inv)));
+      }
+    }
+  });
+}
+
+void rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& w, double eps,
+              bool gemma, const at::Tensor& out) {
+  for (auto* t : {&x, &w, &out}) check_cpu(*t, "rms_norm input");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "x/out [N, n] rows");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "weight [n]");
+  const bool add = residual.has_value();
+  at::Tensor r = add ? *residual : x;
+  if (add) TORCH_CHECK(r.dim() == 2 && r.stride(1) == 1 && r.scalar_type() == x.scalar_type(), "residual rows");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    if (w.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat) {
+      rms_norm_impl<scalar_t, float>(x, r, add, w, eps, gemma, out);
+    } else {
+      TORCH_CHECK(w.scalar_type() == x.scalar_type(), "weight dtype must be the input's or float32");
+      rms_norm_impl<scalar_t, scalar_t>(x, r, add, w, eps, gemma, out);
+    }
+  });
+}
+
+// ---- silu(gate) * up ------------------------------------------------------------------------------------
+
+// gate_up [N, 2I] (gate first) -> out [N, I] = T(T(silu(gate)) * up)
+template <typename T>
+void silu_mul_impl(const at::Tensor& gu, int64_t vec_bytes, const at::Tensor& out) {
+  const int64_t N = gu.size(0), I = gu.size(1) / 2, gs = gu.stride(0), os = out.stride(0);
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int lanes = static_cast<int>(vec_bytes / 4);  // floats per vector
+  // torch's loop takes 2 vectors of T per step: 2 * vec_bytes / sizeof(T) elements; the rest go scalar
+  const int64_t step = vec_bytes > 0 ? 2 * vec_bytes / static_cast<int64_t>(sizeof(T)) : 1;
+  const int64_t bulk = vec_bytes > 0 ? I - I % step : 0;
+  at::parallel_for(0, N, grain(3 * I), [&](int64_t begin, int64_t end) {
+    std::vector<float> a(I);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = gp + i * gs;
+      const T* u = g + I;
+      T* o = op + i * os;
+      to_float(g, a.data(), I);
+      silu_vector(a.data(), bulk, lanes);
+      for (int64_t j = bulk; j < I; ++j) a[j] = silu_scalar(a[j]);
+      for (int64_t j = 0; j < I; ++j) o[j] = static_cast<T>(f32(static_cast<T>(a[j])) * f32(u[j]));
+    }
+  });
+}
+
+void silu_mul(const at::Tensor& gate_up, int64_t vec_bytes, const at::Tensor& out) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "gate_up [N, 2I]");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) * 2 == gate_up.size(1), "out [N, I]");
+  bool ok = vec_bytes == 0;
+#if defined(__AVX2__)
+  ok = ok || vec_bytes == 32;
+#endif
+#if defined(__AVX512F__)
+  ok = ok || vec_bytes == 64;
+#endif
+  TORCH_CHECK(ok, "silu_mul: vector width ", vec_bytes, " bytes not built for this CPU");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_impl<scalar_t>(gate_up, vec_bytes, out);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loraland, m) {
+  m.def("decode_attention", decode_attention);
+  m.def("rope_cache", rope_cache);
+  m.def("rms_norm", rms_norm);
+  m.def("silu_mul", silu_mul);
+}

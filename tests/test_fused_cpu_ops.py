@@ -1,0 +1,113 @@
+"""The fused CPU ops (kernels/loraland_kernels/cpu/fused_ops.cpp) against the torch ops they replace: the same
+results (fp32 to rounding of long sums, bf16 within one rounding), on odd shapes, GQA, windows, partial rotary,
+and stale NaN slots that decode attention must never read; and the torch fallback when the library is off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from loraland_kernels import cpu_build, fused
+
+from app.replica.models.norms import RMSNorm, act_mul_
+from app.replica.models.rope import rotate_
+
+pytestmark = pytest.mark.skipif(not cpu_build.load(), reason=f"fused CPU ops not built: {cpu_build.reason()}")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, ulps: float = 2e-6) -> None:
+    tol = dict(rtol=ulps, atol=ulps) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_rms_norm_and_the_residual_add(dtype, style):
+    torch.manual_seed(0)
+    x, delta = torch.randn(37, 200, dtype=dtype), torch.randn(37, 200, dtype=dtype)
+    w = torch.randn(200, dtype=dtype)
+    norm = RMSNorm(w, 1e-6, style)
+    assert norm.fused
+    ref = norm._torch(x)
+    _close(norm(x), ref, dtype)
+    h_ref, h = x.clone(), x.clone()
+    h_ref.add_(delta)
+    out = norm.add_norm(h, delta)
+    assert torch.equal(h, h_ref)  # the residual stream is updated exactly as torch's add_ would
+    _close(out, norm._torch(h_ref), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])  # GeLU runs torch's ops: checks the dispatch
+def test_act_mul(dtype, act):
+    torch.manual_seed(1)
+    gu = torch.randn(19, 2 * 333, dtype=dtype) * 4
+    g, u = gu.chunk(2, dim=-1)
+    ref = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
+    assert torch.equal(act_mul_(gu, act), ref)  # bit for bit: the same Sleef and libm calls, the same split
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot_half", [32, 16])  # full rotary of head_dim 64, and a partial one (Phi-style)
+def test_rope_and_cache_write(dtype, rot_half):
+    torch.manual_seed(2)
+    T, H, Hkv, d, bs = 11, 6, 2, 64, 4
+    qkv = torch.randn(T, (H + 2 * Hkv) * d + 8, dtype=dtype)[:, : (H + 2 * Hkv) * d]  # strided rows
+    pos = torch.arange(T).float()[:, None] * torch.rand(rot_half)
+    cos, sin = pos.cos().to(dtype)[:, None, :], pos.sin().to(dtype)[:, None, :]
+    slots = torch.randperm(12 * bs)[:T]
+    kc, vc = torch.zeros(12, bs, Hkv, d, dtype=dtype), torch.zeros(12, bs, Hkv, d, dtype=dtype)
+    ref = qkv.clone()
+    rotate_(ref[:, : (H + Hkv) * d].unflatten(1, (H + Hkv, d)), cos, sin)
+    fused.rope_cache_(qkv, H, Hkv, d, cos, sin, slots, kc, vc)
+    assert torch.equal(qkv, ref)  # the same products and sums, each rounded as HF rounds them
+    assert torch.equal(kc.view(-1, Hkv * d)[slots], ref[:, H * d : (H + Hkv) * d])
+    assert torch.equal(vc.view(-1, Hkv * d)[slots], ref[:, (H + Hkv) * d :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_reads_only_live_slots(dtype, window):
+    torch.manual_seed(3)
+    H, Hkv, d, bs, nblocks = 8, 2, 32, 4, 40
+    kc = torch.randn(nblocks, bs, Hkv, d, dtype=dtype)
+    vc = torch.randn(nblocks, bs, Hkv, d, dtype=dtype)
+    lens = torch.tensor([1, 7, 16, 13])
+    tables = torch.randperm(nblocks)[: 4 * len(lens)].view(len(lens), 4)  # each row its own blocks
+    for b, n in enumerate(lens.tolist()):  # every slot past a row's length is poison
+        for t in range(n, 4 * bs):
+            kc[tables[b, t // bs], t % bs] = float("nan")
+            vc[tables[b, t // bs], t % bs] = float("nan")
+    T = 6
+    decode_idx = torch.tensor([5, 0, 3, 2])  # rows of the flat batch, in any order
+    q = torch.randn(T, H, d, dtype=dtype)
+    out = torch.zeros(T, H * d, dtype=dtype)
+    fused.decode_attention_(q, kc, vc, decode_idx, tables, lens, window, d**-0.5, out)
+    for b, n in enumerate(lens.tolist()):
+        start = 0 if window is None else max(0, n - window)
+        slots = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(start, n)])
+        keys = kc.view(-1, Hkv, d)[slots].transpose(0, 1)[None]
+        vals = vc.view(-1, Hkv, d)[slots].transpose(0, 1)[None]
+        qr = q[decode_idx[b]][None, :, None, :]
+        ref = F.scaled_dot_product_attention(qr.float(), keys.float(), vals.float(), enable_gqa=True)
+        _close(out[decode_idx[b]], ref.reshape(-1), dtype)
+    assert torch.equal(out[[1, 4]], torch.zeros(2, H * d, dtype=dtype))  # rows that do not decode: untouched
+
+
+def test_the_library_can_be_turned_off():
+    """LORALAND_FUSED_CPU=0: nothing is built or loaded and the model's torch ops run."""
+    code = (
+        "from loraland_kernels import cpu_build, fused; import torch; "
+        "from app.replica.models.norms import RMSNorm; "
+        "assert not fused.enabled(torch.device('cpu')); assert not RMSNorm(torch.ones(4), 1e-6).fused; "
+        "print(cpu_build.reason())"
+    )
+    env = {**os.environ, "LORALAND_FUSED_CPU": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "LORALAND_FUSED_CPU=0" in r.stdout
