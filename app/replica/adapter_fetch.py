@@ -23,7 +23,6 @@ from app.adapter_record import AdapterRecord
 from app.errors import AdapterUnavailable, InvalidAdapter, LoraLandError
 from app.replica import metrics as replica_metrics
 from app.replica.kernel import LLMKernel
-from app.replica.results import KernelStats
 
 log = logging.getLogger("loraland.replica")
 
@@ -123,11 +122,11 @@ class AdapterFetcher:
             self.on_unloadable(ref, reason)
 
     # ------------------------------------------------------------------ what is held, catalog changes
-    def resident(self, stats: KernelStats | None = None) -> tuple[list[str], list[str]]:
+    def resident(self) -> tuple[list[str], list[str]]:
         """(refs servable without a fetch: in host memory or a device slot, refs of those in a device slot),
-        from the kernel's adapter manager, which knows versions (`stats` names adapters only: unused). Held
-        versions the kernel dropped (unused older versions) are forgotten here; those the host LRU dropped are
-        left out: serving one means reading it again, and the router must not count this replica as holding it."""
+        from the kernel's adapter manager, which knows versions. Held versions the kernel dropped (unused older
+        versions) are forgotten here; those the host LRU dropped are left out: serving one means reading it
+        again, and the router must not count this replica as holding it."""
         tiers = self.kernel.adapter_manager.tiers()
         manager = self.kernel.adapter_manager
         with self._lock:

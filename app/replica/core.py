@@ -92,7 +92,7 @@ class ReplicaCore:
     def stats(self) -> ReplicaStats:
         """What this replica reports to the router (routing stats) and the catalog (heartbeats)."""
         s = self.kernel.stats()
-        held, on_device = self.fetcher.resident(s)
+        held, on_device = self.fetcher.resident()
         return ReplicaStats(
             replica_id=self.replica_id,
             resident=tuple(held),
