@@ -17,6 +17,7 @@
 #include <cstring>
 #include <immintrin.h>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -79,6 +80,47 @@ inline void silu_vector(float* x, int64_t n, int lanes) {
   for (int64_t i = 0; i < n; ++i) x[i] = silu_scalar(x[i]);
 }
 
+// q . k for attention scores: one vector FMA chain where AVX2 is built (attention is not bit-matched to torch:
+// its reductions run in another order anyway), the portable sum otherwise
+inline float dot_fast(const float* a, const float* b, int64_t n) {
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  float s = _mm_cvtss_f32(lo);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+#else
+  return dot(a, b, n);
+#endif
+}
+
+// x[i] = exp(x[i] - m) over n floats, returning their sum (Sleef's vector exp where built)
+inline float exp_shifted(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(__AVX2__)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  for (float v : lanes) total += v;
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    total += x[i];
+  }
+  return total;
+}
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
@@ -113,47 +155,47 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, Bd * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), kf(d), acc(group * d), scores, m(group), z(group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, g = item % Hkv, row = idx[b], len = lens[b];
+  constexpr bool is_float = std::is_same<T, float>::value;
+  const int64_t kv = Hkv * d;  // one slot's keys (or values) of every KV head: contiguous
+  // one task per decode row, all its heads together, so each cached slot is read once, front to back
+  at::parallel_for(0, Bd, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * d), rowf(kv), acc(H * d), scores, m(H), z(H);
+    auto slot_of = [&](const T* base, int64_t slot) -> const float* {
+      const T* r = base + slot * kv;
+      if constexpr (is_float) return reinterpret_cast<const float*>(r);
+      to_float(r, rowf.data(), kv);
+      return rowf.data();
+    };
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t row = idx[b], len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
       const int64_t* table = bt + b * nb;
-      for (int64_t h = 0; h < group; ++h) to_float(qp + row * q_row + (g * group + h) * d, &qf[h * d], d);
-      scores.resize(group * n);
+      to_float(qp + row * q_row, qf.data(), H * d);
+      scores.resize(H * n);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = table[t / bs] * bs + t % bs;
-        to_float(kp + (slot * Hkv + g) * d, kf.data(), d);
-        for (int64_t h = 0; h < group; ++h) {
-          const float s = dot(&qf[h * d], kf.data(), d) * sc;
-          scores[h * n + (t - start)] = s;
-          m[h] = std::max(m[h], s);
+        const float* k = slot_of(kp, table[t / bs] * bs + t % bs);
+        for (int64_t h = 0; h < H; ++h) {  // query head h reads KV head h / group (HF's repeat_kv)
+          const float s_ = dot_fast(&qf[h * d], k + (h / group) * d, d) * sc;
+          scores[h * n + (t - start)] = s_;
+          m[h] = std::max(m[h], s_);
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float total = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          const float e = std::exp(scores[h * n + i] - m[h]);
-          scores[h * n + i] = e;
-          total += e;
-        }
-        z[h] = total;
-      }
+      for (int64_t h = 0; h < H; ++h) z[h] = exp_shifted(&scores[h * n], n, m[h]);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = table[t / bs] * bs + t % bs;
-        to_float(vp + (slot * Hkv + g) * d, kf.data(), d);
-        for (int64_t h = 0; h < group; ++h) {
+        const float* v = slot_of(vp, table[t / bs] * bs + t % bs);
+        for (int64_t h = 0; h < H; ++h) {
           const float p = scores[h * n + (t - start)];
+          const float* vh = v + (h / group) * d;
           float* a = &acc[h * d];
-          for (int64_t j = 0; j < d; ++j) a[j] += p * kf[j];
+          for (int64_t j = 0; j < d; ++j) a[j] += p * vh[j];
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        T* o = op + row * out_row + (g * group + h) * d;
+      T* o = op + row * out_row;
+      for (int64_t h = 0; h < H; ++h) {
         const float inv = 1.f / z[h];
-        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[h * d + j] * inv);
+        for (int64_t j = 0; j < d; ++j) o[h * d + j] = static_cast<T>(acc[h * d + j] * inv);
       }
     }
   });
