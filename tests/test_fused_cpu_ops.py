@@ -72,9 +72,10 @@ def test_rope_and_cache_write(dtype, rot_half):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_reads_only_live_slots(dtype, window):
+@pytest.mark.parametrize("d", [64, 72, 36])  # the AVX2 path's 64-column blocks and 8-column rest; the generic one
+def test_decode_attention_reads_only_live_slots(dtype, window, d):
     torch.manual_seed(3)
-    H, Hkv, d, bs, nblocks = 8, 2, 32, 4, 40
+    H, Hkv, bs, nblocks = 8, 2, 4, 40
     kc = torch.randn(nblocks, bs, Hkv, d, dtype=dtype)
     vc = torch.randn(nblocks, bs, Hkv, d, dtype=dtype)
     lens = torch.tensor([1, 7, 16, 13])

@@ -25,7 +25,8 @@ VLLM_WORKER = textwrap.dedent(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     cfg = json.loads(sys.argv[1])
-    kw = dict(enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=len(cfg["adapters"])) \\
+    kw = dict(enable_lora=True, max_loras=min(64, len(cfg["adapters"])), max_lora_rank=16, \\
+              max_cpu_loras=len(cfg["adapters"])) \\
         if cfg["adapters"] else {}
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=1024, max_num_seqs=64,
               max_num_batched_tokens=4096, **kw)

@@ -121,6 +121,51 @@ inline float exp_shifted(float* x, int64_t n, float m) {
   return total;
 }
 
+#if defined(__AVX2__)
+// out[i] = (q . (rows[i] + off)) * sc for n rows of d floats (d % 8 == 0): four rows at a time, four independent
+// FMA chains, their sums folded together by two horizontal adds
+inline void scores_avx2(const float* q, const float* const* rows, int64_t off, int64_t n, int64_t d, float sc,
+                        float* out) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float *r0 = rows[i] + off, *r1 = rows[i + 1] + off, *r2 = rows[i + 2] + off, *r3 = rows[i + 3] + off;
+    for (int64_t j = 0; j < d; j += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + j);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + j), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r1 + j), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r2 + j), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r3 + j), a3);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out + i, _mm_mul_ps(r, _mm_set1_ps(sc)));
+  }
+  for (; i < n; ++i) out[i] = dot_fast(q, rows[i] + off, d) * sc;
+}
+
+// out[0:d) = sum_i p[i] * (rows[i] + off)[0:d) (d % 8 == 0), 64 columns at a time in eight registers
+inline void weighted_rows_avx2(const float* p, const float* const* rows, int64_t off, int64_t n, int64_t d,
+                               float* out) {
+  int64_t j0 = 0;
+  for (; j0 + 64 <= d; j0 += 64) {
+    __m256 acc[8];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 pv = _mm256_set1_ps(p[i]);
+      const float* r = rows[i] + off + j0;
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(r + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + j0 + 8 * c, acc[c]);
+  }
+  for (; j0 < d; j0 += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(rows[i] + off + j0), acc);
+    _mm256_storeu_ps(out + j0, acc);
+  }
+}
+#endif
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
@@ -166,12 +211,37 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       to_float(r, rowf.data(), kv);
       return rowf.data();
     };
+    std::vector<const float*> krows, vrows;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t row = idx[b], len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
       const int64_t* table = bt + b * nb;
       to_float(qp + row * q_row, qf.data(), H * d);
       scores.resize(H * n);
+#if defined(__AVX2__)
+      if constexpr (is_float) {
+        if (d % 8 == 0) {  // fp32: per head, its scores then its weighted sum of values, straight from the cache
+          krows.resize(n);
+          vrows.resize(n);
+          for (int64_t t = start; t < len; ++t) {
+            const int64_t slot = table[t / bs] * bs + t % bs;
+            krows[t - start] = reinterpret_cast<const float*>(kp + slot * kv);
+            vrows[t - start] = reinterpret_cast<const float*>(vp + slot * kv);
+          }
+          T* o = op + row * out_row;
+          for (int64_t h = 0; h < H; ++h) {  // query head h reads KV head h / group (HF's repeat_kv)
+            float* sh = &scores[h * n];
+            const int64_t off = (h / group) * d;
+            scores_avx2(&qf[h * d], krows.data(), off, n, d, sc, sh);
+            const float mx = *std::max_element(sh, sh + n);
+            const float inv = 1.f / exp_shifted(sh, n, mx);
+            weighted_rows_avx2(sh, vrows.data(), off, n, d, &acc[h * d]);
+            for (int64_t j = 0; j < d; ++j) o[h * d + j] = static_cast<T>(acc[h * d + j] * inv);
+          }
+          continue;
+        }
+      }
+#endif
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       for (int64_t t = start; t < len; ++t) {
         const float* k = slot_of(kp, table[t / bs] * bs + t % bs);
