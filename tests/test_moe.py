@@ -104,6 +104,131 @@ def test_grouped_experts_equal_transformers_sparse_block(tokens, norm_topk):
     assert torch.equal(ours(x[0]), want)
 
 
+@pytest.mark.parametrize(
+    "kernels, kept",
+    [(("onednn",), "onednn"), (("mkl",), "mkl"), (("aten",), "aten"), (("aten", "onednn"), "onednn")],
+)
+def test_prepacked_experts_follow_the_plain_ones(kernels, kept):
+    """Each expert's projections prepacked for the CPU GEMM kernels (the model's path): the plain (bit-exact)
+    block's output to fp32 rounding, at decode-like sizes (a row or two per expert, experts with none) and
+    prefill-like ones. One packing per expert: a plan that switches kernels keeps its kernel at DECODE_ROWS, and
+    the dense experts stay resident only where aten reads them."""
+    from app.replica.linear import PackedLinear, Plan
+    from app.replica.models.moe import DECODE_ROWS
+
+    E, H, Im = 8, 48, 40
+    torch.manual_seed(0)
+    router, gate_up, down = torch.randn(E, H), torch.randn(E, 2 * Im, H) * 0.3, torch.randn(E, H, Im) * 0.3
+    plan = Plan((0, DECODE_ROWS)[: len(kernels)], kernels)
+    plain = MoE(router, gate_up, down, 3, True, "silu")
+    packed = MoE(router, gate_up, down, 3, True, "silu", lambda w, b: PackedLinear(w, b, plan))
+    for tokens in (1, 2, 5, 300):
+        x = torch.randn(tokens, H)
+        torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert {tuple(lin.packed) for lin in packed.packed} == {(kept,)}
+    assert len(packed.packed) == 2 * E
+    assert [t.shape for t in packed.dense] == ([gate_up.shape, down.shape] if kept == "aten" else [])
+    assert [id(t) for t in plain.tensors()] == [id(router), id(plain.dense[0]), id(plain.dense[1])]
+
+
+def _block(E=8, H=48, Im=24, seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(E, H), torch.randn(E, 2 * Im, H) * 0.3, torch.randn(E, H, Im) * 0.3
+
+
+@pytest.mark.parametrize("max_pairs", [1, 20, 100])
+def test_chunked_pairs_sum_as_one_pass(max_pairs, monkeypatch):
+    """A prefill's pairs cut into chunks of consecutive experts (one expert past the bound runs alone): the same
+    adds in the same order as one pass, bit for bit, with and without a LoRA hook on the experts; the hook sees
+    every pair once per projection."""
+    from app.replica.models import moe as moe_mod
+
+    router, gate_up, down = _block()
+    x = torch.randn(200, 48)
+    whole = MoE(router, gate_up, down, 3, True, "silu")
+    want = whole(x)
+    rank = 3
+    A = {w: torch.randn(8, n_in, rank) * 0.2 for w, n_in in (("gate_up", 48), ("down", 24))}
+    B = {w: torch.randn(8, rank, n_out) * 0.2 for w, n_out in (("gate_up", 48), ("down", 48))}
+
+    class Hook:  # every token on one adapter; pair i's delta x_i A_e B_e, row by row
+        def __init__(self):
+            self.seen = {"gate_up": [], "down": []}
+
+        def apply_experts(self, layer, which, x_pairs, pair_expert, pair_token, out_pairs):
+            self.seen[which].append(pair_token.clone())
+            for i in range(x_pairs.shape[0]):
+                e = int(pair_expert[i])
+                out_pairs[i] += x_pairs[i] @ A[which][e] @ B[which][e]
+
+    one = Hook()
+    want_lora = whole(x, one)
+    monkeypatch.setattr(moe_mod, "CHUNK_BYTES", max_pairs * 48 * 4)
+    assert torch.equal(whole(x), want)
+    many = Hook()
+    assert torch.equal(whole(x, many), want_lora)
+    assert len(one.seen["down"]) == 1 and len(many.seen["down"]) > 1
+    for which in ("gate_up", "down"):
+        assert torch.equal(torch.cat(many.seen[which]), one.seen[which][0])
+    assert not torch.equal(want_lora, want)
+
+
+@pytest.mark.parametrize("gather_bytes", [16 << 20, 0], ids=["batched matmuls", "grouped kernels"])
+@pytest.mark.parametrize("layout", ["one pool, every token", "base tokens and two pools"])
+def test_apply_experts_matches_per_pair_deltas(layout, gather_bytes, monkeypatch):
+    """apply_experts against each pair's own x A_{a,e} B_{a,e}, on both paths (factors gathered per pair, or the
+    grouped kernels over virtual-slot segments): pairs sorted by expert then token, a pool's tokens in slot order;
+    in place when one plan holds every pair, gathered and added back otherwise; the expert-major slots keep their
+    contents when the pool grows."""
+    import types
+
+    from loraland_kernels import lora as K
+
+    from app.replica.lora import experts as experts_mod
+    from app.replica.lora.experts import ExpertWeights, apply_experts
+
+    monkeypatch.setattr(experts_mod, "GATHER_BYTES", gather_bytes)
+    E, H, r, T, k = 4, 16, 3, 12, 2
+    torch.manual_seed(0)
+    pools_, factors = [], {}
+    for index in range(2):
+        w = ExpertWeights(1, E, H, r, H, torch.float32, "cpu")
+        for slot in range(3):
+            if slot:
+                w.grow(slot + 1)
+            a, b = torch.randn(E, H, r), torch.randn(E, r, H)
+            w.install(slot, a, b)
+            factors[(index, slot)] = (a, b)
+        pools_.append(types.SimpleNamespace(index=index, expert_groups={(0, "down"): w}))
+    if layout == "one pool, every token":
+        token_slot = [0] * 5 + [1] * 4 + [2] * 3
+        plans = [(pools_[0], 0, T, K.build_segments(torch.tensor(token_slot), 3))]
+        adapter = [(0, s) for s in token_slot]
+    else:  # tokens 0-2 base, 3-7 pool 0 (slots 1, 2), 8-11 pool 1 (slot 0, then a leading -1 in its plan)
+        plans = [
+            (pools_[0], 3, 8, K.build_segments(torch.tensor([1, 1, 2, 2, 2]), 3)),
+            (pools_[1], 8, 12, K.build_segments(torch.tensor([-1, 0, 0, 0]), 3)),
+        ]
+        adapter = [None] * 3 + [(0, 1)] * 2 + [(0, 2)] * 3 + [None] + [(1, 0)] * 3
+    experts = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    pair_token, pair_expert = order // k, flat.index_select(0, order)
+    x = torch.randn(T * k, H)
+    out = torch.randn(T * k, H)
+    want = out.clone()
+    for i in range(T * k):
+        if adapter[int(pair_token[i])] is not None:
+            a, b = factors[adapter[int(pair_token[i])]]
+            e = int(pair_expert[i])
+            want[i] += x[i] @ a[e] @ b[e]
+    cache: dict = {}
+    apply_experts(plans, cache, 0, "down", x, pair_expert, pair_token, out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    in_place = [sel is None for _, sel, _, _ in cache.values()]
+    assert in_place == ([True] if layout == "one pool, every token" else [False, False])
+
+
 def test_config_is_read_as_qwen3_moe(moe):
     _, model_dir, *_ = moe
     mc = ModelConfig.from_folder(model_dir)
@@ -162,6 +287,8 @@ def test_expert_lora_mixed_with_base_matches_peft_and_reaches_every_expert(moe, 
     import transformers
     from peft import PeftModel
 
+    from app.replica.lora import experts as experts_mod
+
     _, model_dir, adapters, prompts = moe
     names = ["ex-r4", "ex-attn-r8", "ex-down-r2-rs", "ex-mlp-r3", "ex-r4b"]  # ex-r4b: ex-r4's pool, slot 1
     ids = [None if i % 6 == 0 else names[i % 5] for i in range(len(prompts))]
@@ -175,24 +302,36 @@ def test_expert_lora_mixed_with_base_matches_peft_and_reaches_every_expert(moe, 
 
     def spy(plans, cache, layer, which, *args):
         apply_experts(plans, cache, layer, which, *args)
-        for (lay, _), (_, _, sub) in cache.items():
-            if lay == layer and sub is not None:
-                reached.setdefault((layer, which), set()).update(v % 8 for v in sub.slots)
-                slots.update(v // 8 for v in sub.slots)
+        cap = {
+            pool.index: g.cap
+            for pool, *_ in plans
+            for (lay, _), g in pool.expert_groups.items()
+            if lay == layer
+        }
+        for (lay, i), (_, _, v, _) in cache.items():
+            if lay == layer:
+                c = cap[plans[i][0].index]  # virtual slot e * cap + s: expert e of adapter slot s
+                reached.setdefault((layer, which), set()).update((v // c).tolist())
+                slots.update((v % c).tolist())
 
     apply_experts = pools.apply_experts
     monkeypatch.setattr(pools, "apply_experts", spy)
-    with LLMKernel(
-        model_dir, dtype="float32", num_kv_blocks=48, block_size=4, max_num_batched_tokens=24
-    ) as k:
-        for name in names:
-            k.load_adapter(name, adapters[name])
-        outs = k.complete(prompts, ids, max_tokens=MAX_NEW, ignore_eos=True)
-    assert [o.token_ids for o in outs] == refs
-    assert {key: sorted(v) for key, v in reached.items()} == {
-        (li, w): list(range(8)) for li in (0, 2) for w in ("gate_up", "down")
-    }
-    assert slots == {0, 1}  # virtual slots s*E + e past the first adapter slot of a pool
+    # the batched matmuls over gathered factors (every call of this tiny model), then the grouped kernels
+    for gather_bytes in (experts_mod.GATHER_BYTES, 0):
+        monkeypatch.setattr(experts_mod, "GATHER_BYTES", gather_bytes)
+        reached.clear()
+        slots.clear()
+        with LLMKernel(
+            model_dir, dtype="float32", num_kv_blocks=48, block_size=4, max_num_batched_tokens=24
+        ) as k:
+            for name in names:
+                k.load_adapter(name, adapters[name])
+            outs = k.complete(prompts, ids, max_tokens=MAX_NEW, ignore_eos=True)
+        assert [o.token_ids for o in outs] == refs
+        assert {key: sorted(v) for key, v in reached.items()} == {
+            (li, w): list(range(8)) for li in (0, 2) for w in ("gate_up", "down")
+        }
+        assert slots == {0, 1}  # virtual slots of the second adapter slot of a pool too
     base = {tuple(r) for r, a in zip(refs, ids) if a is None}
     assert all(tuple(r) not in base for r, a in zip(refs, ids) if a is not None)  # the adapters do something
 

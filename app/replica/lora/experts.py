@@ -8,10 +8,11 @@ order (gate_up_proj innermost): the saved keys are `experts.lora_A.weight` for t
 `experts.base_layer.lora_A.weight` for the next, and so on. rank_pattern/alpha_pattern keys match the parameter's
 full name (`model.layers.3.mlp.experts.gate_up_proj`), as PEFT matches them.
 
-On the device an adapter slot s of a pool holds its experts as virtual slots s*E + e of one tensor per (layer,
-parameter): A [cap*E, in, r], B [cap*E, r, out] with the scale folded into B. The MoE forward hands the
-expert-sorted (token, expert) pairs to `apply_experts`, which sorts each pool's pairs by virtual slot and runs the
-grouped kernels (kernels/loraland_kernels/lora.py) over them, then adds the delta back at the pairs' places.
+On the device an adapter slot s of a pool holds its experts as virtual slots e*cap + s of one tensor per (layer,
+parameter): A [E*cap, in, r], B [E*cap, r, out] with the scale folded into B. The MoE forward hands its (token,
+expert) pairs, sorted by expert and then token, to `apply_experts`; a pool's tokens are contiguous and in slot
+order, so its pairs are already in virtual-slot order, and the grouped kernels (kernels/loraland_kernels/lora.py)
+run over them in place.
 """
 
 from __future__ import annotations
@@ -155,27 +156,34 @@ def read_expert_tensors(
 
 
 class ExpertWeights:
-    """One pool's expert LoRA for one (layer, parameter): adapter slot s holds rows s*E .. s*E+E-1."""
+    """One pool's expert LoRA for one (layer, parameter), expert-major: virtual slot e * cap + s holds adapter
+    slot s's expert e. The MoE hands its pairs sorted by expert, then token, and a pool's tokens run in slot
+    order, so its pairs come out in virtual-slot order without a sort."""
 
     def __init__(self, cap: int, experts: int, d_in: int, r: int, d_out: int, dtype, device):
         import torch
 
-        self.E = experts
-        self.A = torch.empty(cap * experts, d_in, r, dtype=dtype, device=device)
-        self.B = torch.empty(cap * experts, r, d_out, dtype=dtype, device=device)
+        self.E, self.cap = experts, cap
+        self.A = torch.empty(experts * cap, d_in, r, dtype=dtype, device=device)
+        self.B = torch.empty(experts * cap, r, d_out, dtype=dtype, device=device)
+
+    def _by_expert(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.E, self.cap, *t.shape[1:])
 
     def install(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.A[slot * self.E : (slot + 1) * self.E].copy_(a)
-        self.B[slot * self.E : (slot + 1) * self.E].copy_(b)
+        """a [E, in, r], b [E, r, out] (scale folded in) into adapter slot `slot`."""
+        self._by_expert(self.A)[:, slot].copy_(a)
+        self._by_expert(self.B)[:, slot].copy_(b)
 
     def grow(self, cap: int) -> None:
         import torch
 
         for name in ("A", "B"):
             t = getattr(self, name)
-            n = torch.empty(cap * self.E, *t.shape[1:], dtype=t.dtype, device=t.device)
-            n[: t.shape[0]] = t
+            n = torch.empty(self.E * cap, *t.shape[1:], dtype=t.dtype, device=t.device)
+            n.view(self.E, cap, *t.shape[1:])[:, : self.cap] = self._by_expert(t)
             setattr(self, name, n)
+        self.cap = cap
 
     def nbytes_per_slot(self) -> int:
         return self.E * (self.A[0].numel() + self.B[0].numel()) * self.A.element_size()
@@ -192,37 +200,85 @@ def apply_experts(
     out_pairs: torch.Tensor,
 ) -> None:
     """out_pairs[i] += scale * (x_pairs[i] A_{a,e}^T) B_{a,e}^T for pair i = (token pair_token[i], expert
-    pair_expert[i]) whose token runs adapter a with LoRA on this layer's experts `which`. Per pool: its pairs
-    sorted by virtual slot (slot * E + expert), one shrink and one expand over them, added back with one
-    index_add_. The sort and segments are built once per (layer, pool) and reused by gate_up and down."""
+    pair_expert[i]) whose token runs adapter a with LoRA on this layer's experts `which`. The pairs must come
+    sorted by expert, then token (the MoE's LoRA order): each plan's pairs are then in virtual-slot order.
+
+    Per plan, over its pairs: few pairs (a decode step) gather each pair's A and B and run two batched matmuls;
+    many (a prefill) run the grouped kernels' shrink and expand over the virtual-slot segments. When the plan
+    holds every pair (one pool, no base tokens: the common case) the delta is added in place, else the pairs
+    are gathered and added back with one index_add_. cache[(layer, plan)] = (pair_token, sel, virtual slots,
+    segments once built): built by gate_up's call, reused by down's."""
     import torch
     from loraland_kernels import lora as K
 
-    for pool, s, e, seg in plans:
+    for i, (pool, s, e, seg) in enumerate(plans):
         g = pool.expert_groups.get((layer, which))
         if g is None:
             continue
-        key = (layer, pool.index)
-        hit = cache.get(key)
+        hit = cache.get((layer, i))
         if hit is None or hit[0] is not pair_token:
             lo = s + seg.num_base
             sel = ((pair_token >= lo) & (pair_token < e)).nonzero().squeeze(1)
-            v = seg.token_slot.index_select(0, pair_token.index_select(0, sel) - lo) * g.E
-            v, order = (v + pair_expert.index_select(0, sel)).sort(stable=True)
-            sel = sel.index_select(0, order)
-            hit = cache[key] = (
+            if sel.numel() == pair_token.numel():
+                sel = None  # every pair: no gather, no scatter
+            tok, ex = (
+                (pair_token, pair_expert)
+                if sel is None
+                else (t.index_select(0, sel) for t in (pair_token, pair_expert))
+            )
+            hit = cache[(layer, i)] = [
                 pair_token,
                 sel,
-                K.build_segments(v, seg.num_slots * g.E) if sel.numel() else None,
-            )
-        _, sel, sub = hit
-        if sub is None:
+                ex * g.cap + seg.token_slot.index_select(0, tok - lo),
+                None,
+            ]
+        _, sel, v, sub = hit
+        n = v.numel()
+        if not n:
             continue
-        hw = sub.num_slots
-        xs = x_pairs.index_select(0, sel)
-        d = torch.zeros(sel.numel(), out_pairs.shape[1], dtype=out_pairs.dtype, device=out_pairs.device)
-        K.expand(d, K.shrink(xs, g.A[:hw], sub), g.B[:hw], sub)
+        x = x_pairs if sel is None else x_pairs.index_select(0, sel)
+        if n * (g.A[0].numel() + g.B[0].numel()) * g.A.element_size() <= GATHER_BYTES:
+            z = torch.bmm(x.to(g.A.dtype).unsqueeze(1), g.A.index_select(0, v))  # in the pool's dtype
+            if sel is None and out_pairs.dtype == g.B.dtype and out_pairs.is_contiguous():
+                out_pairs.unsqueeze(1).baddbmm_(z, g.B.index_select(0, v))
+                continue
+            d = torch.bmm(z, g.B.index_select(0, v)).squeeze(1).to(out_pairs.dtype)
+            if sel is None:
+                out_pairs.add_(d)
+            else:
+                out_pairs.index_add_(0, sel, d)
+            continue
+        if sub is None:
+            sub = hit[3] = K.build_segments(v, g.E * g.cap)
+        m = _method(sub, x.device)
+        if sel is None:
+            K.expand(out_pairs, K.shrink(x, g.A, sub, method=m), g.B, sub, method=m)
+            continue
+        d = torch.zeros(n, out_pairs.shape[1], dtype=out_pairs.dtype, device=out_pairs.device)
+        K.expand(d, K.shrink(x, g.A, sub, method=m), g.B, sub, method=m)
         out_pairs.index_add_(0, sel, d)
+
+
+# Up to this many bytes of A and B factors for the pairs of one call, the factors are gathered per pair and
+# applied by two batched matmuls: ~6 ops, where building segments for the kernels costs ~20 small ones (decode,
+# 128 pairs of the bench shape, both projections, cold: 1.6 vs 2.4 ms per layer). Past it (a prefill's thousands
+# of pairs) the copies would cost more than the grouped kernels, which read each segment's factors once.
+GATHER_BYTES = 16 << 20
+
+# Virtual-slot segments (adapter x expert) are short and sparse in their span: a prefill chunk of 8192 pairs from 25
+# adapters over 16 of 32 experts is 400 segments of ~20 pairs in a span of 784 slots. There the gather beats
+# torch._grouped_mm (shrink + expand, gate_up of the bench shape: 40 vs 51 ms; on a captured engine chunk 17 vs 66
+# ms for the shrink); one GEMM per segment wins only past ~128 pairs per segment (8192 pairs of one adapter: 42
+# vs 32 ms).
+GROUPED_MIN_MEAN = 128
+
+
+def _method(seg, device) -> str | None:
+    """The kernels' path for one pool's virtual-slot segments: their own choice on CUDA and for long segments,
+    else the gather."""
+    if device.type != "cpu" or seg.num_adapter_tokens >= GROUPED_MIN_MEAN * len(seg.slots):
+        return None
+    return "gather"
 
 
 def check_expert_tensors(folder: Path, f: Any, cfg: dict[str, Any], max_rank: int) -> None:

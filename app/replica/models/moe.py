@@ -5,11 +5,18 @@ Semantics (transformers' Qwen3MoeSparseMoeBlock, in its order of operations so f
   -> (norm_topk_prob) values / their sum -> cast to x's dtype = weights w [T, k]
   out[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),  e = experts[t, j]
 summed into zeros in ascending expert order (HF's eager loop over experts; index_add_ per expert there, one
-index_add_ over the expert-sorted rows here).
+index_add_ per chunk of expert-sorted rows here: the same adds in the same order).
 
-The (token, expert) pairs are sorted by expert once (a stable argsort), the tokens gathered into that order with
-one index_select, each expert's contiguous rows go through its gate_up and down projections, the weighted rows
-are scattered back with one index_add_. The Python loop runs over experts (tens to hundreds), never tokens.
+The (token, expert) pairs are sorted by expert once per layer (a stable argsort; bincount gives each expert's
+run, read to the host once per layer). Per chunk of consecutive experts (all of them in a decode step; a prefill's
+pairs cut so no temporary reaches 64 MiB, see CHUNK_BYTES) the tokens are gathered into that order with one
+index_select, each expert's contiguous rows go through its gate_up and down projections, and the weighted rows are
+scattered back with one index_add_. The Python loop runs over the experts that got rows, never tokens.
+
+The expert projections are plain F.linear on the 3-D weights' slices (transformers' arithmetic, bit for bit) or,
+given `linear` (the model's GEMM factory, app/replica/linear.py), one PackedLinear per expert and projection,
+its weight prepacked at load (see _expert_linears for which kernel). A decode step reads every expert's weights
+for a few rows each, where the packed small-M kernel is 2x F.linear; prefill is compute-bound.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from app.replica.linear import PackedLinear, Plan
 from app.replica.models.norms import act_mul_
 
 if TYPE_CHECKING:
@@ -27,10 +35,13 @@ if TYPE_CHECKING:
 
 # Called with each layer's top-k expert ids [T, k] when set (tests: which experts a batch reaches).
 RouteHook = Callable[[torch.Tensor], None]
+# (weight [out, in], bias) -> the prepacked linear (the model's factory; app/replica/models/layer.MakeLinear)
+ExpertLinear = Callable[[torch.Tensor, torch.Tensor | None], PackedLinear]
 
 
 class MoE:
-    """gate_up [E, 2*I, H] (gate rows first), down [E, H, I], router [E, H]."""
+    """gate_up [E, 2*I, H] (gate rows first), down [E, H, I], router [E, H]. `linear`: prepack each expert's
+    two projections with it (None: F.linear on the weights' slices, transformers' arithmetic exactly)."""
 
     def __init__(
         self,
@@ -40,6 +51,7 @@ class MoE:
         top_k: int,
         norm_topk_prob: bool,
         act: str,
+        linear: ExpertLinear | None = None,
     ):
         E, two_i, H = gate_up.shape
         if router.shape != (E, H) or down.shape != (E, H, two_i // 2):
@@ -47,12 +59,25 @@ class MoE:
                 f"MoE weights disagree: router {tuple(router.shape)}, gate_up {tuple(gate_up.shape)}, "
                 f"down {tuple(down.shape)} (want [E, H], [E, 2I, H], [E, H, I])"
             )
-        self.router, self.gate_up, self.down = router, gate_up.contiguous(), down.contiguous()
+        gate_up, down = gate_up.contiguous(), down.contiguous()
+        self.router, self.intermediate = router, two_i // 2
         self.num_experts, self.top_k, self.norm_topk_prob, self.act = E, top_k, norm_topk_prob, act
         self.on_route: RouteHook | None = None
+        self.packed: list[PackedLinear] = []
+        if linear is None:
+            self.gate_up_runs = [_plain(gate_up[e]) for e in range(E)]
+            self.down_runs = [_plain(down[e]) for e in range(E)]
+            self.dense = [gate_up, down]
+            return
+        gu, dn = _expert_linears(linear, gate_up), _expert_linears(linear, down)
+        self.gate_up_runs, self.down_runs, self.packed = gu, dn, gu + dn
+        # experts run by aten read the dense weights (views of these tensors)
+        self.dense = [w for w, lins in ((gate_up, gu), (down, dn)) if "aten" in lins[0].packed]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, self.gate_up, self.down]
+        """What the layer keeps resident: the router, the dense experts where a kernel reads them, the packings."""
+        packs = [t for lin in self.packed for name, t in lin.packed.items() if name != "aten"]
+        return [self.router, *self.dense, *packs]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' Qwen3MoeTopKRouter picks them."""
@@ -66,43 +91,122 @@ class MoE:
     def __call__(self, x: torch.Tensor, lora: LoraHook | None = None, layer: int = 0) -> torch.Tensor:
         """x [T, H] -> [T, H], a fresh tensor (the caller adds it to the residual). With `lora`, each pair's
         adapter's expert deltas are added to the gate_up output (before the activation) and to the down output
-        (before the routing weight) of every expert at once, between per-expert GEMMs."""
+        (before the routing weight) of every expert of a chunk at once, between per-expert GEMMs."""
         weights, experts = self.route(x)
         if self.on_route is not None:
             self.on_route(experts)
         T = x.shape[0]
-        # pairs by expert; within one by top-k rank, then token: transformers' row order, so each GEMM sees
-        # the rows where HF's does (a GEMM's rounding may depend on a row's place in its blocking)
-        flat = experts.t().flatten()
-        order = torch.argsort(flat, stable=True)
-        rows = order % T  # the token of each sorted pair
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
-        xs = x.index_select(0, rows)
-        ws = weights.t().flatten().index_select(0, order).unsqueeze(1)
-        ys = torch.empty_like(xs)
-        spans = [(e, s, s + n) for e, s, n in zip(range(len(counts)), _starts(counts), counts) if n]
         if lora is None:
-            for e, s, t in spans:
-                m = act_mul_(F.linear(xs[s:t], self.gate_up[e]), self.act)
-                torch.mul(F.linear(m, self.down[e]), ws[s:t], out=ys[s:t])
-            return torch.zeros_like(x).index_add_(0, rows, ys)
-        # the same GEMMs, in two passes so the LoRA deltas see every expert's rows together
-        pair_expert = flat.index_select(0, order)
-        gu = xs.new_empty(xs.shape[0], self.gate_up.shape[1])
-        for e, s, t in spans:
-            gu[s:t] = F.linear(xs[s:t], self.gate_up[e])
-        lora.apply_experts(layer, "gate_up", xs, pair_expert, rows, gu)
-        ms = xs.new_empty(xs.shape[0], self.down.shape[2])
-        for e, s, t in spans:
-            ms[s:t] = act_mul_(gu[s:t], self.act)
-            ys[s:t] = F.linear(ms[s:t], self.down[e])
-        lora.apply_experts(layer, "down", ms, pair_expert, rows, ys)
-        return torch.zeros_like(x).index_add_(0, rows, ys.mul_(ws))
+            # pairs by expert; within one by top-k rank, then token: transformers' row order, so each GEMM sees
+            # the rows where HF's does (a GEMM's rounding may depend on a row's place in its blocking)
+            flat, ws = experts.t().flatten(), weights.t().flatten()
+            order = torch.argsort(flat, stable=True)
+            rows = order % T  # the token of each sorted pair
+            pair_expert = None
+        else:
+            # by expert, then token: each pool's pairs in its virtual-slot order (app/replica/lora/experts.py)
+            flat, ws = experts.flatten(), weights.flatten()
+            order = torch.argsort(flat, stable=True)
+            rows = order // self.top_k
+            pair_expert = flat.index_select(0, order)
+        ws = ws.index_select(0, order).unsqueeze(1)
+        # one read to the host per layer: the per-expert row counts slice the sorted pairs (on CPU a plain
+        # copy of E ints; the GEMM calls need them as Python ints whatever the device)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        width = max(x.shape[1], 2 * self.intermediate) * x.element_size()
+        for chunk in _chunks(counts, max(1, CHUNK_BYTES // width)):
+            lo, hi = chunk[0][1], chunk[-1][2]
+            r = rows[lo:hi]
+            xs = x.index_select(0, r)
+            if lora is None and hi - lo > FEW_PAIRS:
+                ys = self._experts(xs, chunk, lo, ws)
+            else:
+                ys = self._experts_at_once(xs, chunk, lo, ws, lora, layer, pair_expert, r)
+            out.index_add_(0, r, ys)  # the chunks in pair order: each row's adds in ascending expert order
+        return out
+
+    def _experts(self, xs: torch.Tensor, chunk: list[Span], lo: int, ws: torch.Tensor) -> torch.Tensor:
+        """Expert by expert: each one's temporaries stay in cache (prefill)."""
+        ys = torch.empty_like(xs)
+        gate_up, down, act = self.gate_up_runs, self.down_runs, self.act
+        for e, s, t in chunk:
+            torch.mul(
+                down[e](act_mul_(gate_up[e](xs[s - lo : t - lo]), act)), ws[s:t], out=ys[s - lo : t - lo]
+            )
+        return ys
+
+    def _experts_at_once(
+        self,
+        xs: torch.Tensor,
+        chunk: list[Span],
+        lo: int,
+        ws: torch.Tensor,
+        lora: LoraHook | None,
+        layer: int,
+        pair_expert: torch.Tensor | None,
+        pair_token: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gate_up GEMMs of every expert, then one activation over all the chunk's pairs, the down GEMMs,
+        one weighting: two ops per expert (decode steps, where per-op costs add up), and the LoRA deltas of
+        every expert's pairs together between the passes."""
+        gate_up, down = self.gate_up_runs, self.down_runs
+        gu = _cat([gate_up[e](xs[s - lo : t - lo]) for e, s, t in chunk])
+        if lora is not None:
+            lora.apply_experts(layer, "gate_up", xs, pair_expert[lo : lo + xs.shape[0]], pair_token, gu)
+        ms = act_mul_(gu, self.act)
+        ys = _cat([down[e](ms[s - lo : t - lo]) for e, s, t in chunk])
+        if lora is not None:
+            lora.apply_experts(layer, "down", ms, pair_expert[lo : lo + xs.shape[0]], pair_token, ys)
+        return ys.mul_(ws[lo : lo + xs.shape[0]])
 
 
-def _starts(counts: list[int]) -> list[int]:
-    out, s = [], 0
-    for n in counts:
-        out.append(s)
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# (expert, first pair, end pair) in the expert-sorted pairs
+Span = tuple[int, int, int]
+# The largest [pairs, width] temporary of one chunk. glibc serves a thread's allocations of 64 MiB and more from a
+# fresh mmap each time (a thread arena's heaps are 64 MiB at most), page-faulting every page on first touch; the
+# engine's step runs on its own thread. A prefill of 4096 tokens, top-4, hidden 1024 in fp32 is exactly 64 MiB.
+CHUNK_BYTES = 32 << 20
+# Up to this many pairs (a decode step's few rows per expert) the base path runs each pass over the whole chunk
+FEW_PAIRS = 1024
+
+
+def _chunks(counts: list[int], max_pairs: int) -> list[list[Span]]:
+    """The experts with rows, as runs of consecutive experts of at most max_pairs pairs together (an expert with
+    more runs alone). Decode steps are one run."""
+    runs: list[list[Span]] = []
+    s = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue  # an expert without rows costs nothing
+        if not runs or s + n - runs[-1][0][1] > max_pairs:
+            runs.append([])
+        runs[-1].append((e, s, s + n))
         s += n
-    return out
+    return runs
+
+
+def _plain(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: F.linear(x, w)
+
+
+# the rows per expert a decode step brings (tens of sequences x top-k spread over tens of experts)
+DECODE_ROWS = 4
+
+
+def _expert_linears(linear: ExpertLinear, w: torch.Tensor) -> list[PackedLinear]:
+    """One PackedLinear per expert of w [E, out, in], holding one packing. The experts are most of an MoE
+    model's bytes: a plan that switches kernels by row count would keep two copies of each. The kernels differ
+    where a step reads every expert for a few rows (2x on an AVX2 EPYC: weights streamed from memory, which the
+    tuner's in-cache timing does not see) and tie at prefill sizes (compute-bound), so the experts keep the
+    plan's kernel at DECODE_ROWS."""
+    first = linear(w[0], None)
+    kernels = first.plan.kernels
+    if len(set(kernels)) == 1:
+        return [first] + [linear(w[e], None) for e in range(1, w.shape[0])]
+    plan = Plan.fixed(first.plan.kernel_for(DECODE_ROWS))
+    return [PackedLinear(w[e], None, plan) for e in range(w.shape[0])]

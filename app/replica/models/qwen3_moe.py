@@ -4,7 +4,8 @@ projections of moe_intermediate_size. Layers in mlp_only_layers (or off decoder_
 
 Experts are read as the Hub's checkpoints store them (`mlp.experts.{e}.gate_proj.weight`, one per expert) or as
 transformers 5 holds them in memory (`mlp.experts.gate_up_proj` [E, 2I, H] with gate rows first,
-`mlp.experts.down_proj` [E, H, I]), and kept in the latter form."""
+`mlp.experts.down_proj` [E, H, I]); each expert's two projections are prepacked by the model's GEMM factory
+(`linear`, as the dense layers' are)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ def load_layer(w: WeightReader, i: int, c: ModelConfig, linear: MakeLinear) -> L
     return Layer(
         attn_norm=norm(w, p + "input_layernorm.weight", c),
         mlp_norm=norm(w, p + "post_attention_layernorm.weight", c),
-        moe=load_moe(w, p + "mlp.", c) if sparse else None,
+        moe=load_moe(w, p + "mlp.", c, linear) if sparse else None,
         **({"gate_up": None, "down": None} if sparse else {}),
         **split_projections(w, i, c, linear, mlp=not sparse),
     )
 
 
-def load_moe(w: WeightReader, prefix: str, c: ModelConfig) -> MoE:
+def load_moe(w: WeightReader, prefix: str, c: ModelConfig, linear: MakeLinear | None = None) -> MoE:
     x = prefix + "experts."
     if w.has(x + "gate_up_proj"):
         gate_up, down = w.get(x + "gate_up_proj"), w.get(x + "down_proj")
@@ -50,5 +51,11 @@ def load_moe(w: WeightReader, prefix: str, c: ModelConfig) -> MoE:
             "2 * moe_intermediate_size, hidden_size)"
         )
     return MoE(
-        w.get(prefix + "gate.weight"), gate_up, down, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act
+        w.get(prefix + "gate.weight"),
+        gate_up,
+        down,
+        c.num_experts_per_tok,
+        c.norm_topk_prob,
+        c.hidden_act,
+        linear,
     )
