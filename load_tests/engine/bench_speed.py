@@ -59,7 +59,9 @@ def throughput(a, folder: Path) -> dict:
     vllm = None
     if not a.no_vllm:
         vllm = VllmOffline(a.vllm_venv, folder, prompts, a.new, adapters, f"0-{threads - 1}", a.dtype)
-    ours = Ours(folder, a.requests, a.dtype)
+    # the workload's KV and a spare block per sequence: the 1B row's peer holds ~5 GB beside us, and the
+    # engine's default sizing from free memory then finds no room
+    ours = Ours(folder, a.requests, a.dtype, a.requests * (-(-(a.prompt_len + a.new) // 16) + 1))
     names = None
     if adapters:
         for i, p in enumerate(adapters):

@@ -32,15 +32,19 @@ def add_workload_args(
 class Ours:
     """The engine on workload-shaped batches (prefix caching off: every pass has fresh prompts anyway)."""
 
-    def __init__(self, model_dir, max_batch: int, dtype: str):
+    def __init__(self, model_dir, max_batch: int, dtype: str, num_kv_blocks: int | None = None):
+        """num_kv_blocks: the KV cache's size (default: the engine sizes it from the free memory, which a peer's
+        resident copy of a large model leaves too little of)."""
         from loraland import LLMKernel
 
+        kv = {} if num_kv_blocks is None else {"num_kv_blocks": num_kv_blocks}
         self.k = LLMKernel(
             model_dir,
             dtype=dtype,
             max_batch_size=max_batch,
             max_num_batched_tokens=4096,
             enable_prefix_caching=False,
+            **kv,
         )
         self.k.complete([[5, 6, 7]], max_tokens=2, ignore_eos=True)  # warm-up
 
