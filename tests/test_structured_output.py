@@ -128,6 +128,73 @@ def test_grammar_is_compiled_once_and_cached(kernel):
     assert same == key
 
 
+# strings of the kind whose xgrammar rule let control characters in (length-limited), all bounded so that a
+# random model's answer ends
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "short": {"type": "string", "maxLength": 6},
+        "long": {"type": "string", "minLength": 2, "maxLength": 10},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["short", "long", "tags"],
+    "additionalProperties": False,
+}
+# and every other kind: free, patterned
+CONTROL_SCHEMA = {
+    **BOUNDED,
+    "properties": {
+        **BOUNDED["properties"],
+        "free": {"type": "string"},
+        "word": {"type": "string", "pattern": "^[a-z ]+$"},
+    },
+    "required": [*BOUNDED["required"], "free", "word"],
+}
+
+
+def test_grammar_strings_admit_no_raw_control_character(kernel):
+    """Every kind of string refuses U+0000-U+001F raw (a free string takes them escaped), for a response_format
+    and for a required tool call's constraint (compiled by the same Grammars)."""
+    import xgrammar as xg
+
+    from app.router.http.openai_requests import ChatRequest
+    from app.router.http.tool_calls import plan_of
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": CONTROL_SCHEMA}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "required"}  # fmt: skip
+    call_key = plan_of(ChatRequest.model_validate(body)).constraint()
+    schema_key = format_key({"type": "json_schema", "json_schema": {"name": "c", "schema": CONTROL_SCHEMA}})
+    value = {"short": "ab", "long": "xyz", "tags": ["t"], "free": "", "word": "a b"}  # CONTROL_SCHEMA's order
+    # properties in the grammar's order: format_key sorts a schema's keys, a tool's parameters keep theirs
+    for key, as_call in ((schema_key, False), ("json_object", False), (call_key, True)):
+        compiled = kernel.grammars.compile(key)
+        for field in ("short", "long", "free", "tags"):
+            v = dict(value, **{field: ["@"] if field == "tags" else value[field] + "@"})
+            text = json.dumps([{"name": "f", "arguments": v}]) if as_call else json.dumps(v, sort_keys=True)
+            for ch in ("\t", "\n", "\x00", "\x01", "\x1f"):
+                raw, escaped = text.replace("@", ch), text.replace("@", json.dumps(ch)[1:-1])
+                assert not xg.GrammarMatcher(compiled).accept_string(raw), (key[:30], field, raw)
+                if field == "free":  # xgrammar's length-limited strings take no escapes at all
+                    assert xg.GrammarMatcher(compiled).accept_string(escaped), (key[:30], escaped)
+
+
+def test_outputs_biased_to_control_characters_are_strict_json(kernel):
+    """The random model pushed hard toward every token that holds a control character still answers strict
+    JSON that validates (json.loads refuses raw U+0000-U+001F inside strings; before the grammar's fix most
+    of these answers held raw tabs and U+0001s)."""
+    tok = kernel.tokenizer
+    control = [i for i in range(len(tok)) if any(ord(c) < 0x20 for c in tok.decode([i]))]
+    assert len(control) >= 8  # the byte-level vocabulary's control bytes, at least
+    bias = {i: 40.0 for i in control}
+    key = format_key({"type": "json_schema", "json_schema": {"name": "c", "schema": BOUNDED}})
+    checked = 0
+    for seed in (1, 2, 3):
+        outs = kernel.complete(PROMPTS, max_tokens=MAX_TOKENS, response_format=key, logit_bias=bias,
+                               temperature=1.0, seed=seed)  # fmt: skip
+        checked += sum(check(c.text, c.finish_reason, BOUNDED) for c in outs)
+    assert checked >= 10
+
+
 @pytest.mark.parametrize(
     "rf, words",
     [

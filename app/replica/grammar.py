@@ -11,10 +11,18 @@ output, needs nothing special). EOS is allowed only where the grammar may end.
 
 Whitespace between JSON tokens is compact (xgrammar's any_whitespace=False): a model free to emit whitespace
 forever can loop without ever closing the object; compact JSON is still JSON.
+
+Strings hold no raw control characters: xgrammar 0.2's rule for a string with minLength/maxLength is a class of
+every character but quote, backslash, CR and LF, which lets the other U+0000-U+001F (tab, U+0001...) through,
+and strict json.loads refuses them.
+`json_grammar` rewrites every negated character class of the converted grammar to exclude them too (in a JSON
+grammar such a class only ever matches a string's characters), so a response_format and a constrained tool
+call (app/router/http/tool_calls.py compiles through here) are always strict JSON.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -26,6 +34,10 @@ from app.errors import InvalidRequest
 
 JSON_OBJECT = "json_object"
 CACHE_LIMIT = 256  # compiled grammars kept (by key); xgrammar's compiler keeps its own bounded cache too
+CONTROL = "\\0-\\x1f"  # U+0000-U+001F as an EBNF class range
+# an EBNF string literal or character class (group 1: "^" when negated, group 2: its body); literals are
+# matched only to be skipped (one may spell "[^")
+_LITERAL_OR_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[(\^?)((?:\\.|[^\]\\])*)\]')
 
 
 def _invalid(message: str) -> InvalidRequest:
@@ -61,10 +73,7 @@ class Grammars:
             return hit
         compiler = self._xgrammar()
         try:
-            if key == JSON_OBJECT:
-                compiled = compiler.compile_json_schema('{"type":"object"}', any_whitespace=False)
-            else:
-                compiled = compiler.compile_json_schema(key, any_whitespace=False, strict_mode=True)
+            compiled = compiler.compile_grammar(json_grammar(key))
         except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own errors for bad schemas
             raise _invalid(f"the schema cannot be compiled: {str(e).splitlines()[0][:300]}") from None
         with self._lock:
@@ -72,6 +81,32 @@ class Grammars:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = compiled
         return compiled
+
+
+def json_grammar(key: str) -> Any:
+    """xgrammar's grammar for format_key's `key` whose strings admit no raw control character."""
+    import xgrammar as xg
+
+    if key == JSON_OBJECT:
+        grammar = xg.Grammar.from_json_schema('{"type":"object"}', any_whitespace=False)
+    else:
+        grammar = xg.Grammar.from_json_schema(key, any_whitespace=False, strict_mode=True)
+    ebnf = str(grammar)
+    strict = strict_strings(ebnf)
+    return grammar if strict == ebnf else xg.Grammar.from_ebnf(strict)
+
+
+def strict_strings(ebnf: str) -> str:
+    """`ebnf` with every negated character class `[^...]` outside string literals made to exclude U+0000-U+001F
+    (a class that already starts by excluding them is kept)."""
+
+    def fix(m: re.Match) -> str:
+        negated, body = m.group(1), m.group(2)
+        if not negated or body.startswith(CONTROL):
+            return m.group(0)
+        return f"[^{CONTROL}{body}]"
+
+    return _LITERAL_OR_CLASS.sub(fix, ebnf)
 
 
 @dataclass

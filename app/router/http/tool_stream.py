@@ -108,8 +108,8 @@ def _partial_suffix(text: str, tag: str) -> int:
 class JsonCalls:
     """A constrained call's JSON as it streams: `named` — the whole text is that function's arguments;
     otherwise an array of {"name": ..., "arguments": ...}, read by a character scanner that tracks strings and
-    depth (the grammar guarantees the structure). Arguments seen before their call's name are held until it;
-    raw control characters in their strings are escaped (see _escaped)."""
+    depth (the grammar guarantees the structure, and strings without raw control characters: see
+    app/replica/grammar.py). Arguments seen before their call's name are held until it."""
 
     def __init__(self, named: str | None = None):
         self.named, self.calls = named, 0
@@ -123,15 +123,10 @@ class JsonCalls:
 
     def feed(self, text: str) -> list[Event]:
         if self.named is not None:
-            piece = ""
-            for ch in text:
-                in_str = self.in_str
-                self._track(ch)
-                piece += _escaped(ch) if in_str else ch
             if self.calls == 0:
                 self.calls = 1
-                return [("call", 0, self.named, piece)]
-            return [("args", 0, piece)] if piece else []
+                return [("call", 0, self.named, text)]
+            return [("args", 0, text)] if text else []
         ev: list[Event] = []
         for ch in text:
             self._char(ch, ev)
@@ -150,7 +145,6 @@ class JsonCalls:
         elif self.args_pending and not ch.isspace():
             self.args_pending, self.in_args = False, True
         if self.in_args:
-            ch = _escaped(ch) if in_str else ch
             if self.index is None:
                 self.held += ch
             else:
@@ -205,12 +199,6 @@ class JsonCalls:
         if self.piece and self.index is not None:
             ev.append(("args", self.index, self.piece))
         self.piece = ""
-
-
-def _escaped(ch: str) -> str:
-    """A character inside a JSON string as JSON allows it: xgrammar's string rule lets raw control characters
-    (tab, U+0001...) through, which json.loads refuses; escaping them keeps the arguments parseable."""
-    return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 else ch
 
 
 class ChoiceCalls:
