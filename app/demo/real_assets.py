@@ -42,15 +42,16 @@ MERGE = (
 )
 
 
-def showcase() -> list[tuple[str, str | None]]:
+def showcase(names=TASK_NAMES) -> list[tuple[str, str | None]]:
     """(model field, its expected answer to tasks.DEMO_SENTENCE or None where nothing exact is claimed): the base,
-    each adapter, a chain and a merge, for `loraland demo` to show side by side."""
+    each adapter of `names`, and the chain and the merge whose adapters are all there, for `loraland demo`."""
     from app.demo import tasks as T
 
     demo = T.Example(T.DEMO_SENTENCE, "Anna Berg", "Oslo", 29, "2021-03-05")
+    have = set(names)
     return [
         (None, None),
-        *((t, T.target(t, demo)) for t in TASK_NAMES),
-        (CHAIN, T.target("shout", demo)),
-        (MERGE, None),
+        *((t, T.target(t, demo)) for t in TASK_NAMES if t in have),
+        *([(CHAIN, T.target("shout", demo))] if {"person_json", "shout"} <= have else []),
+        *([(MERGE, None)] if {"person_json", "iso_date"} <= have else []),
     ]
