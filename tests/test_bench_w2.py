@@ -105,6 +105,17 @@ def test_dataset_and_client_arguments_keep_request_order(tmp_path: Path, ranked)
     assert "inf" in client_argv("u", Path("/m"), ds, reqs, math.inf, tmp_path, "x.json")
 
 
+def test_base_only_requests_name_no_lora_modules(tmp_path: Path):
+    """--adapters 0 (the real-model rows of issue 32): every request on the base model, the same lengths as with
+    adapters, and the client is given no --lora-modules (vLLM would send them as model names)."""
+    reqs = make_requests(W2Config(10), [])
+    assert {r.adapter for r in reqs} == {"base"}
+    ds = write_dataset(reqs, tmp_path / "d.jsonl")
+    argv = client_argv("u", Path("/m"), ds, reqs, 1.0, tmp_path, "x.json")
+    assert "--lora-modules" not in argv and "--lora-assignment" not in argv
+    assert argv[argv.index("--model") + 1] == "base"
+
+
 def test_sustained_means_late_requests_do_not_wait_longer():
     assert sustained([0.2, 0.3, 0.25, 0.4, 0.3, 0.2, 0.35, 0.3, 0.28])
     assert not sustained([0.2 + 2.0 * i for i in range(30)])

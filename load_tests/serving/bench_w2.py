@@ -99,7 +99,8 @@ def lognormal_len(rng: random.Random, median: float, sigma: float, lo: int, hi: 
 def make_requests(cfg: W2Config, ranked_adapters: list[str]) -> list[W2Request]:
     """cfg.num_requests requests: log-normal prompts, uniform outputs, zipf adapters (ranked_adapters[0] hottest)."""
     rng = random.Random(f"w2-{cfg.seed}")
-    picks = assign_models(Popularity("zipf", cfg.zipf_s), "", ranked_adapters, cfg.num_requests, rng)
+    pop = Popularity("zipf", cfg.zipf_s) if ranked_adapters else Popularity("base")
+    picks = assign_models(pop, "base", ranked_adapters, cfg.num_requests, rng)
     return [
         W2Request(
             lognormal_len(rng, cfg.prompt_median, cfg.prompt_sigma, cfg.prompt_min, cfg.prompt_max),
@@ -140,7 +141,8 @@ def client_argv(
     argv += ["--ignore-eos", "--temperature", "0", "--request-rate", str(rate), "--burstiness", "1.0"]
     argv += ["--disable-tqdm"]
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
-    argv += ["--lora-assignment", "round-robin", "--lora-modules", *(r.adapter for r in reqs)]
+    if any(r.adapter != "base" for r in reqs):
+        argv += ["--lora-assignment", "round-robin", "--lora-modules", *(r.adapter for r in reqs)]
     argv += [
         "--save-result",
         "--save-detailed",
@@ -282,7 +284,7 @@ def rate_requests(a, i: int, ranked: list[str]) -> list[W2Request]:
 
 def from_raw(a) -> list[dict]:
     """The runs again from DIR/w2-raw (the client's JSON) without starting anything: the summary's rules changed."""
-    ranked = popularity_order([n for n, _, _ in adapter_mix()][: a.adapters], a.seed)
+    ranked = popularity_order([n for n, _, _ in adapter_mix()][: a.adapters], a.seed) if a.adapters else []
     runs = []
     for server in a.servers:
         for i, rate in enumerate(a.rates):
@@ -324,9 +326,14 @@ def run(a) -> dict:
     from load_tests.harness.models import CACHE, bench_model
     from load_tests.harness.servers import loraland_serve, vllm_serve
 
-    model_dir = bench_model()
-    store = CACHE / "bench-adapters" / "w2"
-    adapters = build_adapters(model_dir, store)
+    if a.model == "w":
+        model_dir = bench_model()
+    else:  # a packaged real model, converted once (app/replica/gguf_import.py); vLLM serves the same folder
+        from app.replica.gguf_import import import_packaged
+
+        model_dir = import_packaged(a.model)
+    store = CACHE / "bench-adapters" / ("w2" if a.model == "w" else f"w2-{a.model}")
+    adapters = build_adapters(model_dir, store) if a.adapters else {}
     ranked = popularity_order(list(adapters)[: a.adapters], a.seed)
     raw_dir = a.out / "w2-raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
@@ -334,7 +341,8 @@ def run(a) -> dict:
     runs: list[dict] = []
     if "ours" in a.servers:
         env = {"LORALAND_CACHE_DIR": str(a.out / f"cache-w2-{os.getpid()}")}
-        args = ["--adapter-store", str(store), "--dtype", a.dtype, "--max-adapters", str(ENGINE["slots"])]
+        args = ["--dtype", a.dtype, "--max-adapters", str(ENGINE["slots"])]
+        args += ["--adapter-store", str(store)] if adapters else []
         args += [
             "--max-batch-size",
             str(ENGINE["max_seqs"]),
@@ -370,7 +378,7 @@ def run(a) -> dict:
         ) as url:
             runs += sweep("vllm", url, a, model_dir, ranked, raw_dir)
     cfg = {"rates": a.rates, "window_s": a.window_s, "min_requests": a.min_requests, "dtype": a.dtype}
-    cfg |= {"adapters": a.adapters, "mixes": [list(m) for m in MIXES], "engine": ENGINE}
+    cfg |= {"model": a.model, "adapters": a.adapters, "mixes": [list(m) for m in MIXES], "engine": ENGINE}
     cfg |= {"workload": asdict(W2Config(1)) | {"num_requests": None}}
     return {"config": cfg, "runs": runs, "p8": p8(runs)}
 
@@ -399,7 +407,7 @@ def plot_rate_sweep(runs: list[dict], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     ax1.set_ylim(bottom=0)
-    fig.suptitle("W2: log-normal prompts, 16-512 outputs, zipf(1.0) over 1,000 adapters")
+    fig.suptitle("W2: log-normal prompts, 16-512 outputs, Poisson arrivals")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -413,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-s", type=float, default=75.0, help="requests per run = rate x this")
     ap.add_argument("--min-requests", type=int, default=24)
     ap.add_argument("--servers", default="ours,vllm")
-    ap.add_argument("--adapters", type=int, default=1000)
+    ap.add_argument("--adapters", type=int, default=1000, help="0: every request on the base model")
+    ap.add_argument("--model", default="w", choices=("w", "smollm2-135m", "gemma3-270m"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "/work/vllm-venv")))
