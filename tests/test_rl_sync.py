@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,3 +200,116 @@ def test_catalog_staged_versions_and_warm_answers(stack):
     for rid in ("r-a", "r-b"):
         cat.drop_replica(rid)
     cat.remove("staged")
+
+
+def test_a_holder_the_heartbeats_missed_is_waited_for(stack):
+    """A replica that picked the name up after its last heartbeat (not among the listed holders) answers
+    "loading" as its push begins, and the load waits for it: warm there before the call returns."""
+    name, admin = "late-holder", stack.headers("admin")
+    v1, v2 = (write_tiny_adapter(stack.root / name / f"v{i}", seed=150 + i) for i in (1, 2))
+    body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+
+    async def go(c):
+        r = await c.post("/v1/load_lora_adapter", json=load_body(name, v1), headers=admin)
+        assert r.status_code == 200 and r.headers[WARM] == "0/0"  # a new name: nobody holds it
+        assert (await c.post("/v1/completions", json=body, headers=admin)).status_code == 200
+        stack.catalog.drop_replica(stack.core.replica_id)  # as if it picked the name up after its last beat
+        load = stack.kernel.load_adapter
+
+        def slow_load(*a, **kw):  # the push takes longer than the ingress's look for unlisted holders
+            time.sleep(0.3)
+            return load(*a, **kw)
+
+        stack.kernel.load_adapter = slow_load
+        try:
+            r = await c.post("/v1/load_lora_adapter", json=load_body(name, v2), headers=admin)
+        finally:
+            del stack.kernel.load_adapter
+        assert r.status_code == 200 and r.headers[WARM] == "1/1", r.headers
+        assert f"{name}@2" in stack.core.stats().resident and not stack.core.fetcher.loading
+        await c.post("/v1/unload_lora_adapter", json={"lora_name": name}, headers=admin)
+
+    stack.run(go)
+
+
+def _s3_version(stack, name: str, folder: Path) -> str:
+    """Register `folder` as the next version of `name` at an s3:// URI, its files already in the replica's disk
+    cache (so no S3 is needed); returns the disk cache key."""
+    import shutil
+
+    from app.replica.lora.peft_format import adapter_summary
+
+    info, cache = adapter_summary(folder), stack.core.fetcher.hub.cache
+    uri = f"s3://rl-bucket/{name}/{folder.name}"
+    key = stack.core.fetcher.hub.cache_key(uri, info["files"])
+    with cache.staging() as tmp:
+        for rel in info["files"]:
+            shutil.copy(folder / rel, tmp / rel)
+        cache.commit(key, tmp, {"uri": uri, "files": info["files"], "size": info["size"]}, replace=False)
+    fields = {k: info[k] for k in ("files", "size", "rank", "alpha", "target_modules")}
+    stack.catalog.register(name, uri, base_model=stack.kernel.model_config.identity(), **fields)
+    return key
+
+
+def test_removed_versions_leave_the_disk_cache(stack):
+    """The disk cache's folder of a version the catalog removed goes once no request uses it; one a running
+    request uses stays until it ends; one whose files a kept version shares stays."""
+    name, admin = "s3-churn", stack.headers("admin")
+    m, fetcher, cache = stack.kernel.adapter_manager, stack.core.fetcher, stack.core.fetcher.hub.cache
+    folders = [write_tiny_adapter(stack.root / name / f"v{i}", seed=170 + i) for i in (1, 2, 3)]
+    keys = [_s3_version(stack, name, f) for f in folders]
+    assert _s3_version(stack, name, folders[2]) == keys[2]  # v4: v3's files again
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    gate, held = threading.Event(), threading.Event()
+
+    def hold(seq) -> None:  # the engine thread: v2's request waits after 2 tokens
+        if seq.adapter == f"{name}@2" and len(seq.output_ids) == 2 and not gate.is_set():
+            held.set()
+            gate.wait(timeout=60)
+
+    def cached() -> list[bool]:
+        return [cache.lookup(k) is not None for k in keys]
+
+    async def settle(want: list[bool], c, step: bool = True) -> None:
+        """Until the cache holds `want`: a base request steps the engine (which drops unused versions), then a
+        heartbeat prunes the files (no request while one is held: the engine thread is the one held)."""
+        for _ in range(50):
+            if step:
+                await c.post(
+                    "/v1/completions", json={**body, "model": "tiny-llama", "max_tokens": 1}, headers=admin
+                )
+            stack.core.sync.heartbeat_once()
+            if cached() == want:
+                return
+            await asyncio.sleep(0.1)
+        assert cached() == want, (fetcher.doomed, fetcher.cache_keys)
+
+    async def go(c):
+        for v in (1, 2, 3, 4):
+            r = await c.post("/v1/completions", json={**body, "model": f"{name}@{v}"}, headers=admin)
+            assert r.status_code == 200 and r.headers[HDR] == f"{name}@{v}", r.text
+        await asyncio.sleep(0.3)  # past PRUNE_EVERY_S: the next steps drop v1-v3, unused
+        await settle([True, True, True], c)
+        stack.kernel.set_fault_hook(hold)
+        try:
+            running = asyncio.create_task(
+                c.post("/v1/completions", json={**body, "model": f"{name}@2"}, headers=admin)
+            )
+            assert await asyncio.to_thread(held.wait, 60)
+            for v in (1, 2, 3):
+                assert stack.catalog.remove(f"{name}@{v}") == 1
+            await settle([False, True, True], c, step=False)  # v2 is in use; v3's files are v4's
+            gate.set()
+            assert (await running).status_code == 200
+        finally:
+            gate.set()
+            stack.kernel.set_fault_hook(None)
+        await settle([False, False, True], c)
+        stack.catalog.remove(name)
+        await settle([False, False, False], c)
+
+    m.superseded_grace_s = 0.0  # versions not in use are dropped at the next step
+    try:
+        stack.run(go)
+    finally:
+        m.superseded_grace_s = 2.0

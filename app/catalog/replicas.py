@@ -7,7 +7,8 @@ adapter's placement set, so a dead replica vanishes without anyone having to not
 Pushed versions: a replica that loaded a version pushed to it (a "staged" event, app/replica/catalog_sync.py)
 answers in `warm:<name@v>` (replica id -> "warm" or "failed: why", kept WARM_TTL_S) and with a "warm" event; the
 ingress that staged the version waits for the holders' answers before promoting it
-(app/router/routing/version_push.py)."""
+(app/router/routing/version_push.py). A replica first answers LOADING (not announced): the ingress then also
+waits for a holder its heartbeats did not list yet."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from app.names import parse_ref
 from app.protocol import ReplicaStats
 
 WARM_TTL_S = 300
+LOADING = "loading"  # a replica's first answer to a push: it holds the name and is loading the version
 
 
 class ReplicaDirectory(CatalogConnection):
@@ -87,7 +89,8 @@ class ReplicaDirectory(CatalogConnection):
     @guard
     def note_warm(self, ref: str, replica_id: str, outcome: str) -> None:
         """A replica's answer to the pushed version `ref`: "warm" (servable there without a fetch) or
-        "failed: why"; announced as {"type": "warm", "name", "version", "replica", "ok", "at"}."""
+        "failed: why", announced as {"type": "warm", "name", "version", "replica", "ok", "at"}; or LOADING
+        (recorded only: the final answer follows)."""
         name, version = parse_ref(ref)
         key = self._k("warm", ref)
         event = {"type": "warm", "name": name, "version": version, "replica": replica_id,
@@ -95,7 +98,8 @@ class ReplicaDirectory(CatalogConnection):
         pipe = self._r.pipeline()
         pipe.hset(key, replica_id, outcome)
         pipe.expire(key, WARM_TTL_S)
-        pipe.publish(self._channel, json.dumps(event))
+        if outcome != LOADING:
+            pipe.publish(self._channel, json.dumps(event))
         pipe.execute()
 
     @guard

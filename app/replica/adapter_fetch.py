@@ -7,6 +7,10 @@ costs about one load, not three). Several versions of a name may be held at once
 current one, an older one serves the requests pinned to it until the kernel drops it unused
 (app/replica/lora/manager.py). A version that failed to load for good (a bad adapter stays bad) is remembered
 here and, through `on_unloadable`, in the catalog, so no replica tries it again.
+
+The disk cache (S3 downloads, one folder per version's content) is pruned like versions are: once the catalog
+removed a version (a runtime load keeps a name's newest versions) and no request here uses it any more, its
+folder goes, unless a version the catalog still keeps has the same files.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class AdapterFetcher:
         self.held: dict[str, str] = {}  # ref -> name, the versions registered with the kernel
         self.loading: dict[str, Future] = {}
         self.unloadable: dict[str, str] = {}  # ref -> why its load failed here (never retried)
+        self.cache_keys: dict[str, str] = {}  # ref -> its disk cache entry, for the versions fetched here
+        self.doomed: set[str] = set()  # refs the catalog removed whose disk cache entry goes once unused
         self._lock = threading.Lock()  # held/loading: the event loop, the catalog listener and load threads
 
     async def ensure_all(self, records: Iterable[AdapterRecord]) -> None:
@@ -108,8 +114,11 @@ class AdapterFetcher:
             raise AdapterUnavailable(
                 f"adapter {record.ref}: its files could not be fetched ({type(e).__name__}); retry later"
             ) from e
+        key = self.hub.cache_key(record.uri, record.files) if self.hub is not None else None
         with self._lock:
             self.held[record.ref] = record.name
+            if key is not None:
+                self.cache_keys[record.ref] = key
         if record.pinned:
             self.kernel.pin(record.name)
         log.info("loaded adapter %s from %s in %.3fs", record.ref, record.uri, time.monotonic() - t0)
@@ -159,3 +168,40 @@ class AdapterFetcher:
         name = self.held.get(ref)
         if name is not None:
             (self.kernel.pin if pinned else self.kernel.unpin)(name)
+
+    # ------------------------------------------------------------------ the disk cache, pruned
+    def removed_from_catalog(self, name: str, versions: Iterable[int] | None) -> None:
+        """The catalog removed these versions of `name` (all of them: None): their disk cache entries are to go
+        once no request here uses them (prune_files)."""
+        prefix, wanted = f"{name}@", None if versions is None else {f"{name}@{v}" for v in versions}
+        with self._lock:
+            self.doomed |= {
+                r for r in self.cache_keys if r.startswith(prefix) and (wanted is None or r in wanted)
+            }
+
+    def prune_files(self, catalog: Any = None) -> list[str]:
+        """Delete the disk cache entries of removed versions no longer in use here (not registered with the
+        kernel, nor loading), unless a version held here or (with `catalog`) kept by the catalog has the same
+        files. Returns the keys deleted. Another replica sharing the cache that still needs one fetches it again."""
+        manager, deleted = self.kernel.adapter_manager, []
+        with self._lock:
+            idle = [r for r in self.doomed if r not in manager.entries and r not in self.loading]
+        for ref in idle:
+            with self._lock:
+                self.doomed.discard(ref)
+                key = self.cache_keys.pop(ref, None)
+                shared = key in self.cache_keys.values()
+            if key is None or shared or (catalog is not None and self._kept(catalog, ref, key)):
+                continue
+            self.hub.cache.remove(key)
+            deleted.append(key)
+            log.info("disk cache: removed %s (%s: removed from the catalog, unused here)", key, ref)
+        return deleted
+
+    def _kept(self, catalog: Any, ref: str, key: str) -> bool:
+        """Whether a version of ref's name that the catalog keeps uses the disk cache entry `key` (unknown: yes)."""
+        try:
+            records = catalog.versions(ref.rpartition("@")[0])
+        except Exception:
+            return True
+        return any(self.hub.cache_key(r.uri, r.files) == key for r in records)

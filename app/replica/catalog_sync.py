@@ -1,6 +1,6 @@
 """A replica's side of the catalog: heartbeats carrying its stats, the tenants' weights for fair admission,
 adapter events by pub/sub (removed, pinned, and new versions pushed), and the reconciliation pass that catches
-events it missed.
+events it missed. Removed versions' disk cache entries are deleted once unused (AdapterFetcher.prune_files).
 
 Pushed versions (fast swaps): when a name this replica holds gets a new version ("staged" by a runtime LoRA load,
 or "registered"), the replica loads it at once, beside the old one (requests pinned to the old version keep being
@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from app.adapter_record import AdapterRecord
+from app.catalog.replicas import LOADING
 from app.config.app_config import AppConfig
 from app.errors import LoraLandError
 from app.protocol import ReplicaStats
@@ -106,6 +107,8 @@ class CatalogSync:
         load = s.busy / max(1, self.cfg.max_ongoing_requests)
         self.catalog.heartbeat(s, load=load, ttl_s=self.cfg.heartbeat_ttl_s)
         self.sync_tenant_weights()
+        if self.fetcher.doomed:  # removed versions' disk cache entries, once their last request ended
+            self._prune_files()
         if time.monotonic() - self._reconciled >= self.cfg.heartbeat_ttl_s:
             self._reconciled = time.monotonic()
             self.reconcile()
@@ -149,6 +152,15 @@ class CatalogSync:
                     self.fetcher.pinned(ref, event.get("pinned", True))
             except Exception as e:  # already gone, or in use: the kernel's LRU finishes the job
                 log.info("catalog event %s for %s: %s", kind, ref, e)
+        if kind == "removed":
+            self.fetcher.removed_from_catalog(name, versions)
+            self._prune_files()
+
+    def _prune_files(self) -> None:
+        try:
+            self.fetcher.prune_files(self.catalog)
+        except Exception as e:  # the next heartbeat tries again
+            log.warning("disk cache pruning failed (%s); retrying at the next heartbeat", e)
 
     def push(self, name: str, version: int, *, answer: bool) -> None:
         """Load `name@version` now if an older version of `name` is held here (on the fetcher's threads; this is
@@ -166,6 +178,7 @@ class CatalogSync:
         if record is None or record.unloadable:
             self._answer(ref, "failed: no loadable record", answer)
             return
+        self._answer(ref, LOADING, answer)  # the ingress waits for us even if no heartbeat listed us yet
         self.fetcher.start(record).add_done_callback(lambda f: self._pushed(record, f, t0, answer))
 
     def _pushed(self, record: AdapterRecord, fut: Future, t0: float, answer: bool) -> None:

@@ -110,9 +110,16 @@ class AdapterHub:
     def cached(self, uri: str, files: dict[str, str] | None) -> bool:
         """Whether fetch(uri, files=files) would be served from the disk cache (an S3 adapter the catalog
         describes, already downloaded): the `source` label of a replica's load metrics."""
+        key = self.cache_key(uri, files)
+        return key is not None and self.cache.lookup(key) is not None
+
+    @staticmethod
+    def cache_key(uri: str, files: dict[str, str] | None) -> str | None:
+        """The disk cache entry fetch(uri, files=files) uses (s3.fetch's content-addressed key), or None when it
+        uses none (local folders are read in place; the Hub keeps its own cache)."""
         if not (uri.startswith("s3://") and files):
-            return False
-        return self.cache.lookup("sha-" + manifest_sha256(files)[:40]) is not None  # s3.fetch's cache key
+            return None
+        return "sha-" + manifest_sha256(files)[:40]
 
     # ----------------------------------------------------------------- upload
 

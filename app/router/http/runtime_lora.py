@@ -132,7 +132,7 @@ def add_runtime_lora_routes(api: FastAPI, auth: Authenticator, service: Any) -> 
         info = await call(service.backend, "inspect_adapter", path)
         tenant = current.tenant if current is not None else caller.tenant
         public = current.public if current is not None else False
-        holders = await asyncio.to_thread(catalog().holders, name) if current is not None else []
+        holders = await asyncio.to_thread(catalog().holders, name) if current is not None else None
         record = await asyncio.to_thread(
             lambda: catalog().register(
                 name, path, files=info["files"], size=info["size"], rank=info["rank"], alpha=info["alpha"],
