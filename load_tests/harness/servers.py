@@ -118,10 +118,12 @@ def vllm_serve(
     max_cpu_loras: int | None = None,
     max_model_len: int = 1024,
     extra: Sequence[str] = (),
+    env: dict | None = None,
 ) -> Iterator[str]:
     """vLLM's CPU build (its own venv) serving model_dir as `base`, with `adapters` as LoRA modules; yields its
     base URL. cpus: the cores its OpenMP team is bound to (VLLM_CPU_OMP_THREADS_BIND), i.e. its thread count.
-    max_cpu_loras: vLLM's host LRU of adapters (default: all of them); extra: more server arguments."""
+    max_cpu_loras: vLLM's host LRU of adapters (default: all of them); extra: more server arguments; env: more
+    environment (e.g. its cache folders)."""
     port = port or free_port()
     cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
     cmd += [
@@ -146,7 +148,7 @@ def vllm_serve(
         ]
         cmd += ["--max-lora-rank", str(rank), "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=vllm_env(cpus), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=vllm_env(cpus) | (env or {}), stdout=f, stderr=subprocess.STDOUT)
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_http(f"{base_url}/v1/models", proc, log, timeout_s=1800)  # first start compiles (minutes)
