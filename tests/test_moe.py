@@ -1,7 +1,7 @@
 """Qwen3-MoE against transformers (+ PEFT), fp32 greedy tokens identical: the grouped experts (one GEMM pair per
 expert) against transformers' own sparse block, base prompts that reach every expert, attention LoRA and LoRA on
-the fused expert weights (PEFT target_parameters) mixed with base in one batch, and LoRA on the router, dense
-MLP weights or per-expert modules refused by name."""
+the fused expert weights (PEFT target_parameters) mixed with base in one batch, and LoRA on the dense layers'
+MLP, per-expert modules or other raw parameters refused by name (router LoRA: tests/test_moe_families.py)."""
 
 from __future__ import annotations
 
@@ -154,6 +154,9 @@ def test_chunked_pairs_sum_as_one_pass(max_pairs, monkeypatch):
     class Hook:  # every token on one adapter; pair i's delta x_i A_e B_e, row by row
         def __init__(self):
             self.seen = {"gate_up": [], "down": []}
+
+        def apply(self, layer, group, x, out):  # the router: no LoRA here
+            assert group == "router"
 
         def apply_experts(self, layer, which, x_pairs, pair_expert, pair_token, out_pairs):
             self.seen[which].append(pair_token.clone())
@@ -371,16 +374,23 @@ def _edited(src, dst, **changes):
     return dst
 
 
-def test_expert_router_and_mlp_lora_are_refused_by_name(moe):
+def test_mlp_modules_and_other_parameters_are_refused_by_name(moe):
+    """PEFT (0.21, transformers 5) turns every gate/up/down_proj target of a Qwen3-MoE into expert
+    target_parameters, so the dense layer's MLP (mlp_only_layers) never takes LoRA there: a config naming those
+    modules, or a raw parameter other than the experts' and the router's, is refused by name."""
     root, model_dir, adapters, _ = moe
     mc = ModelConfig.from_folder(model_dir)
     good = adapters["attn-r8"]
     cases = {
-        # target_parameters on the router, a dense layer's MLP weight, an attention weight: only experts served
-        "router-param": (
-            _edited(good, root / "router-param", target_parameters=["mlp.gate.weight"]),
-            r"'mlp.gate.weight' matches model\.layers\.0\.mlp\.gate\.weight: LoRA on raw parameters is served "
-            r"only on a mixture-of-experts model's experts",
+        # target_parameters on a norm, a dense layer's MLP weight: only the experts and the router are served
+        "norm-param": (
+            _edited(good, root / "norm-param", target_parameters=["input_layernorm.weight"]),
+            r"'input_layernorm.weight' matches model\.layers\.0\.input_layernorm\.weight: LoRA on raw parameters "
+            r"is served only on a mixture-of-experts model's experts .* and router \(mlp.gate.weight\)",
+        ),
+        "router-missing": (
+            _edited(good, root / "router-missing", target_parameters=["mlp.gate.weight"]),
+            r"no tensors for \[\(0, 'gate'\), \(2, 'gate'\)\] named by target_modules/target_parameters",
         ),
         "dense-param": (
             _edited(good, root / "dense-param", target_parameters=["mlp.experts.down_proj", "down_proj.weight"]),
@@ -420,7 +430,7 @@ def test_expert_router_and_mlp_lora_are_refused_by_name(moe):
     read_adapter(_edited(good, root / "excluded", target_modules=r".*proj", exclude_modules=r".*mlp.*"), mc)
     with LLMKernel(model_dir, dtype="float32", num_kv_blocks=32) as k:
         with pytest.raises(InvalidAdapter, match="served only on a mixture-of-experts model's experts"):
-            k.load_adapter("router-param", cases["router-param"][0])
+            k.load_adapter("norm-param", cases["norm-param"][0])
 
 
 def test_fused_expert_weights_load_as_the_per_expert_ones(moe, tmp_path):

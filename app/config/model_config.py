@@ -19,6 +19,9 @@ LORA_MODULES = ATTN_MODULES + MLP_MODULES  # what the device pools hold, per pro
 # the same A and B's rows of that part (exactly PEFT's delta: x A^T B^T split by output rows).
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 TARGET_MODULES = LORA_MODULES + tuple(FUSED_MODULES)  # every decoder linear name a PEFT adapter may target
+# A mixture-of-experts layer's router (`mlp.gate`, weight [experts, hidden]): PEFT adapts it through
+# target_parameters (`gate.weight`), and saves its LoRA as a linear's (mlp.gate.lora_A/B.weight)
+ROUTER_MODULE = "gate"
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -52,7 +55,7 @@ class ModelConfig:
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     final_logit_softcap: float | None = None
-    # Mixture of experts (Qwen3-MoE; the names are Mixtral's/OLMoE's too): 0 experts = every MLP is dense.
+    # Mixture of experts (Qwen3-MoE, Mixtral, OLMoE): 0 experts = every MLP is dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k experts per token
     moe_intermediate_size: int = 0  # each expert's MLP width (intermediate_size is the dense layers')
@@ -106,7 +109,8 @@ class ModelConfig:
 
     def lora_modules(self) -> tuple[str, ...]:
         """The decoder linears of this checkpoint a PEFT adapter names (Phi-3: the fused ones). On an MoE model
-        only attention: LoRA on the experts, the router or the dense MLP layers among them is not served yet."""
+        only attention: the experts and the router take LoRA through target_parameters (app/replica/lora/
+        experts.py), and PEFT gives the dense layers' MLP none (it turns gate/up/down_proj into expert targets)."""
         if self.is_moe:
             return ATTN_MODULES
         return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if self.family == "phi3" else LORA_MODULES
@@ -131,6 +135,8 @@ class ModelConfig:
         }
         if self.family == "phi3":
             shapes |= {"qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
+        if self.is_moe:
+            shapes[ROUTER_MODULE] = (h, self.num_experts)
         return shapes
 
     def identity(self) -> dict[str, Any]:

@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
 }
@@ -25,6 +27,7 @@ _HINTS = {
     "Gemma3ForConditionalGeneration": "serve its text model: a Gemma3ForCausalLM checkpoint (270M/1B, or the "
     "language model of 4B+ saved on its own)",
     "Gemma2ForCausalLM": "Gemma 2 is not served (its attention soft-capping is not implemented)",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE's shared expert is not implemented (Qwen3-MoE, Mixtral and OLMoE are served)",
 }
 SUPPORTED_ROPE = ("default", "linear", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -159,6 +162,41 @@ def _moe(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _all_sparse(cfg: dict[str, Any], experts_key: str, norm_topk_prob: bool) -> dict[str, Any]:
+    """Mixtral and OLMoE: every layer's MLP is the experts, each intermediate_size wide."""
+    experts = cfg.get(experts_key) or 0
+    if experts < 1:
+        raise ValueError(f"{experts_key}={experts!r}: a mixture-of-experts model needs at least one expert")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": cfg.get("num_experts_per_tok", 0),
+        "moe_intermediate_size": cfg["intermediate_size"],
+        "norm_topk_prob": norm_topk_prob,
+        "moe_layers": (True,) * cfg["num_hidden_layers"],
+    }
+
+
+def _mixtral(cfg: dict[str, Any]) -> dict[str, Any]:
+    # transformers' MixtralAttention passes config.sliding_window to every layer (no use_sliding_window flag);
+    # its router always renormalises the top-k (app/replica/models/moe.py MIXTRAL)
+    windows = _windows({**cfg, "layer_types": None}, lambda i: True)
+    return {"layer_windows": windows} | _all_sparse(cfg, "num_local_experts", True)
+
+
+def _olmoe(cfg: dict[str, Any]) -> dict[str, Any]:
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"olmoe: clip_qkv={cfg['clip_qkv']!r} is not supported (served: clip_qkv null)")
+    heads = cfg["num_attention_heads"]
+    if (cfg.get("head_dim") or cfg["hidden_size"] // heads) * heads != cfg["hidden_size"]:
+        raise ValueError(
+            "olmoe: head_dim * num_attention_heads must equal hidden_size (q_norm is hidden_size wide)"
+        )
+    return {
+        "layer_windows": _windows({**cfg, "layer_types": None}, lambda i: False),
+        "qk_norm": True,  # over the whole q and k projections (app/replica/models/olmoe.py)
+    } | _all_sparse(cfg, "num_experts", bool(cfg.get("norm_topk_prob", False)))
+
+
 def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
     # transformers 5 keeps one rope_parameters entry per layer type; older configs rope_theta (global),
     # rope_local_base_freq (sliding) and rope_scaling (global only)
@@ -202,6 +240,8 @@ _READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen2": lambda cfg: _qwen(cfg, "qwen2"),
     "qwen3": lambda cfg: _qwen(cfg, "qwen3"),
     "qwen3_moe": lambda cfg: _qwen(cfg, "qwen3_moe") | _moe(cfg),
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
     "gemma3": _gemma3,
     "phi3": _phi3,
 }

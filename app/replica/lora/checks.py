@@ -80,7 +80,9 @@ def check_adapter(folder: str | Path, *, max_rank: int) -> dict[str, Any]:
             if only_experts:
                 return {"max_delta_norm": 0.0}  # not computed for expert LoRA
             vocab: dict[tuple[str, str], str] = {}
-            keys = _parse_keys(folder, [k for k in f.keys() if not X.is_expert_key(k)], vocab)
+            keys = _parse_keys(
+                folder, [k for k in f.keys() if not (X.is_expert_key(k) or X.is_router_key(k))], vocab
+            )
             _check_vocab(folder, f, vocab, cfg, max_rank)
             ranks = _check_header(folder, f, keys, cfg, max_rank, bool(vocab))
             _check_covered(folder, cfg, ranks)

@@ -8,6 +8,11 @@ order (gate_up_proj innermost): the saved keys are `experts.lora_A.weight` for t
 `experts.base_layer.lora_A.weight` for the next, and so on. rank_pattern/alpha_pattern keys match the parameter's
 full name (`model.layers.3.mlp.experts.gate_up_proj`), as PEFT matches them.
 
+The router (`mlp.gate.weight` [E, H], a 2-D parameter of transformers 5's TopKRouter, not an nn.Linear) is a
+target_parameters entry too (PEFT turns target_modules "gate" into "gate.weight"): its ParamWrapper saves
+`mlp.gate.lora_A.weight` [r, H] and `lora_B.weight` [E, r] and computes x (W + s B A)^T. It is read as a linear's
+LoRA on module ROUTER_MODULE (peft_format.py) and added to the router logits (app/replica/models/moe.py).
+
 On the device an adapter slot s of a pool holds its experts as virtual slots e*cap + s of one tensor per (layer,
 parameter): A [E*cap, in, r], B [E*cap, r, out] with the scale folded into B. The MoE forward hands its (token,
 expert) pairs, sorted by expert and then token, to `apply_experts`; a pool's tokens are contiguous and in slot
@@ -23,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.config.model_config import ModelConfig
+from app.config.model_config import ROUTER_MODULE, ModelConfig
 from app.replica.lora.peft_config import _pattern_value, refuse
 
 if TYPE_CHECKING:
@@ -38,8 +43,17 @@ _EXPERT_KEY = re.compile(
 )
 
 
+_ROUTER_KEY = re.compile(
+    r"^(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.gate\.lora_(?P<ab>A|B)(?:\.[\w\-]+)?\.weight$"
+)
+
+
 def is_expert_key(key: str) -> bool:
     return ".mlp.experts." in key
+
+
+def is_router_key(key: str) -> bool:
+    return _ROUTER_KEY.match(key) is not None
 
 
 def _param_names(model: ModelConfig) -> list[str]:
@@ -67,8 +81,9 @@ def expert_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
 def expert_targets(
     folder: Path, cfg: dict[str, Any], model: ModelConfig
 ) -> dict[tuple[int, str], tuple[int, float]]:
-    """(layer, "gate_up"|"down") -> (rank, scale) of every expert parameter `target_parameters` names; any other
-    parameter it matches (router, a dense layer's or attention's 2-D weight, ...) is refused by name."""
+    """(layer, "gate_up"|"down"|ROUTER_MODULE) -> (rank, scale) of every expert or router parameter
+    `target_parameters` names; any other parameter it matches (a dense layer's or attention's 2-D weight, a
+    norm, ...) is refused by name."""
     wanted = cfg.get("target_parameters")
     if not wanted:
         return {}
@@ -88,16 +103,20 @@ def expert_targets(
         for n in hits:
             layer, _, rest = n.removeprefix("model.layers.").partition(".")
             param = rest.removeprefix("mlp.experts.")
-            if not rest.startswith("mlp.experts.") or param not in EXPERT_PARAMS:
+            if rest == "mlp.gate.weight":
+                group = ROUTER_MODULE
+            elif rest.startswith("mlp.experts.") and param in EXPERT_PARAMS:
+                group = EXPERT_PARAMS[param]
+            else:
                 raise refuse(
                     folder,
                     f"target_parameters entry {t!r} matches {n}: LoRA on raw parameters is served only on a "
-                    f"mixture-of-experts model's experts ({', '.join('mlp.experts.' + p for p in EXPERT_PARAMS)}); "
-                    "target linears through target_modules instead",
+                    f"mixture-of-experts model's experts ({', '.join('mlp.experts.' + p for p in EXPERT_PARAMS)}) "
+                    "and router (mlp.gate.weight); target linears through target_modules instead",
                 )
             r = int(_pattern_value(folder, cfg.get("rank_pattern") or {}, n, cfg["r"]))
             alpha = float(_pattern_value(folder, cfg.get("alpha_pattern") or {}, n, cfg["lora_alpha"]))
-            out[(int(layer), EXPERT_PARAMS[param])] = (
+            out[(int(layer), group)] = (
                 r,
                 alpha / (math.sqrt(r) if cfg.get("use_rslora") else r),
             )
@@ -282,8 +301,9 @@ def _method(seg, device) -> str | None:
 
 
 def check_expert_tensors(folder: Path, f: Any, cfg: dict[str, Any], max_rank: int) -> None:
-    """What no base model is needed for (app/replica/lora/checks.py): expert keys in PEFT's ParamWrapper form,
-    lora_A and lora_B at each nesting depth with matching r*E, finite values, ranks within max_rank."""
+    """What no base model is needed for (app/replica/lora/checks.py): expert (and router) keys in PEFT's
+    ParamWrapper form, lora_A and lora_B at each nesting depth with matching r*E (router: r), finite values,
+    ranks within max_rank."""
     import torch
 
     ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
@@ -292,6 +312,10 @@ def check_expert_tensors(folder: Path, f: Any, cfg: dict[str, Any], max_rank: in
     wanted = cfg.get("target_parameters") or []
     pairs: dict[tuple[int, int], dict[str, str]] = {}
     for key in f.keys():
+        router = _ROUTER_KEY.match(key)
+        if router is not None and wanted:
+            pairs.setdefault((int(router["layer"]), -1), {})[router["ab"]] = key
+            continue
         if not is_expert_key(key):
             continue
         m = _EXPERT_KEY.match(key)

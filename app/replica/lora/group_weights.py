@@ -15,6 +15,7 @@ GROUPS = {
     "o": ("o_proj",),
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
+    "router": ("gate",),  # a mixture-of-experts layer's router (app/replica/models/moe.py MoE.route)
 }
 MODULE_GROUP = {m: g for g, ms in GROUPS.items() for m in ms}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 
+from app.config.model_config import ROUTER_MODULE
 from app.errors import InvalidRequest
 from app.merge_methods import MergeMethod
 from app.replica.lora.weights import LoraWeights, pad_ranks
@@ -44,9 +45,9 @@ def merge_adapters(
                 f"adapter {lw.name!r} is a DoRA adapter (use_dora): merging DoRA adapters is not supported "
                 "(PEFT's add_weighted_adapter ignores their magnitude vectors); serve it on its own"
             )
-        if lw.expert_tensors:
+        if lw.expert_tensors or any(m == ROUTER_MODULE for _, m in lw.tensors):
             raise InvalidRequest(
-                f"adapter {lw.name!r} adapts a mixture-of-experts model's experts (target_parameters): merging "
+                f"adapter {lw.name!r} adapts a mixture-of-experts model's experts or router (target_parameters): merging "
                 "such adapters is not supported yet; serve it on its own"
             )
         if lw.touches_vocab:

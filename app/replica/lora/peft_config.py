@@ -295,8 +295,9 @@ def _refuse_moe_mlp(folder: Path, wanted: str | list[str], exclude: Any, model: 
             folder,
             f"target_modules={wanted!r} matches {hit}: LoRA on a mixture-of-experts model's MLP modules (experts, "
             f"router 'gate', dense gate/up/down_proj) is not supported; attention LoRA ({', '.join(ATTN_MODULES)}) "
-            "is served, and the experts' fused weights through target_parameters (mlp.experts.gate_up_proj, "
-            "mlp.experts.down_proj)",
+            "is served, and the experts' fused weights and the router through target_parameters "
+            "(mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight: what PEFT makes of these targets "
+            "on transformers 5)",
         )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config.kernel_config import KernelConfig
-from app.config.model_config import FUSED_MODULES, TARGET_MODULES, ModelConfig
+from app.config.model_config import FUSED_MODULES, ROUTER_MODULE, TARGET_MODULES, ModelConfig
 from app.files import sha256_file
 from app.replica.lora import experts as X
 from app.replica.lora import peft_config as C
@@ -72,7 +72,7 @@ def _parse_keys(
                 "decoder layer linear",
             )
         module, block = m["module"], m["block"]
-        if module not in TARGET_MODULES or block != ModelConfig.block_of(module):
+        if module not in (*TARGET_MODULES, ROUTER_MODULE) or block != ModelConfig.block_of(module):
             raise refuse(
                 folder, f"tensor {key}: unknown target module {block}.{module}; supported: {TARGET_MODULES}"
             )
@@ -124,7 +124,8 @@ def read_adapter(
             folder, f"{WEIGHTS_FILE} is {weights.stat().st_size} bytes, over the {max_bytes}-byte limit"
         )
     xtargets = X.expert_targets(folder, cfg, model)
-    only_experts = bool(xtargets) and not cfg.get("target_modules")  # PEFT's MoE MLP: target_parameters only
+    router = {k: xtargets.pop(k) for k in [k for k in xtargets if k[1] == ROUTER_MODULE]}
+    only_experts = bool(xtargets or router) and not cfg.get("target_modules")  # target_parameters only
     ranks = {} if only_experts else C.ranks(folder, cfg, model)
     vranks, vscales = ({}, {}) if only_experts else C.vocab_ranks_scales(folder, cfg, model)
     saved = C.saved_modules(folder, cfg, C.module_names(model))
@@ -141,10 +142,12 @@ def read_adapter(
             folder,
             f"{sorted(both)[0]} is in both target_modules and modules_to_save: PEFT trains one or the other",
         )
+    # the router's LoRA is a linear's (mlp.gate.lora_A/B.weight): read beside target_modules' modules
+    scales = C.scales(folder, cfg, model, ranks) | {k: s for k, (_, s) in router.items()}
+    ranks |= {k: r for k, (r, _) in router.items()}
     top = max([*ranks.values(), *vranks.values(), *(r for r, _ in xtargets.values())])
     if top > max_rank:
         raise refuse(folder, f"r={top} (r/rank_pattern) exceeds max_lora_rank={max_rank}: use a smaller rank")
-    scales = C.scales(folder, cfg, model, ranks)
     use_dora = bool(cfg.get("use_dora"))
     fused = sorted({m for _, m in ranks if m in FUSED_MODULES})
     if use_dora and fused:
@@ -215,7 +218,8 @@ def _check_keys(folder: Path, keys: dict, model: ModelConfig, ranks: dict[tuple[
     if set(ranks) - present:
         raise refuse(
             folder,
-            f"no tensors for {sorted(set(ranks) - present)[:3]} named by target_modules: the file is incomplete",
+            f"no tensors for {sorted(set(ranks) - present)[:3]} named by target_modules/target_parameters: the "
+            "file is incomplete",
         )
 
 

@@ -72,6 +72,7 @@ class Pool:
             "up_proj": shapes["gate_proj"][1],
             "o_proj": 0,
             "down_proj": 0,
+            "gate": 0,  # an MoE router
         }
         self.cap = max_slots if device.type == "cpu" else min(8, max_slots)
         self.max_slots = max_slots

@@ -1,11 +1,15 @@
-"""A mixture-of-experts MLP (Qwen3-MoE's sparse block) run grouped: one GEMM pair per expert over its tokens.
+"""A mixture-of-experts MLP (Qwen3-MoE's, OLMoE's and Mixtral's sparse blocks) run grouped: one GEMM pair per
+expert over its tokens.
 
-Semantics (transformers' Qwen3MoeSparseMoeBlock, in its order of operations so fp32 tokens agree):
-  x [T, H] -> router logits x W_r^T [T, E] -> softmax in fp32 -> top-k (values, experts) [T, k]
-  -> (norm_topk_prob) values / their sum -> cast to x's dtype = weights w [T, k]
+Semantics (transformers' sparse blocks, in their order of operations so fp32 tokens agree):
+  x [T, H] -> router logits x W_r^T (+ each token's adapter's router LoRA) [T, E] -> softmax in fp32
+  -> top-k (values, experts) [T, k] -> (norm_topk_prob) values / their sum -> weights w [T, k]
   out[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),  e = experts[t, j]
 summed into zeros in ascending expert order (HF's eager loop over experts; index_add_ per expert there, one
-index_add_ per chunk of expert-sorted rows here: the same adds in the same order).
+index_add_ per chunk of expert-sorted rows here: the same adds in the same order). The routing variants
+(`Routing`): Qwen3-MoE and OLMoE renormalise the top-k as the config says and cast w to x's dtype; Mixtral always
+renormalises and keeps w in fp32, so each expert's output is weighted in fp32 and rounded once (its
+`current_hidden_states * top_k_weights` promotes, then `.to(dtype)`).
 
 The (token, expert) pairs are sorted by expert once per layer (a stable argsort; bincount gives each expert's
 run, read to the host once per layer). Per chunk of consecutive experts (all of them in a decode step; a prefill's
@@ -22,6 +26,7 @@ for a few rows each, where the packed small-M kernel is 2x F.linear; prefill is 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,9 +44,22 @@ RouteHook = Callable[[torch.Tensor], None]
 ExpertLinear = Callable[[torch.Tensor, torch.Tensor | None], PackedLinear]
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How a family turns the top-k router probabilities into weights: renormalised to sum to 1 or not, and
+    kept in fp32 (Mixtral) or cast to the activations' dtype (Qwen3-MoE, OLMoE). Equal in fp32."""
+
+    norm_topk_prob: bool
+    fp32_weights: bool = False
+
+
+MIXTRAL = Routing(norm_topk_prob=True, fp32_weights=True)
+
+
 class MoE:
-    """gate_up [E, 2*I, H] (gate rows first), down [E, H, I], router [E, H]. `linear`: prepack each expert's
-    two projections with it (None: F.linear on the weights' slices, transformers' arithmetic exactly)."""
+    """gate_up [E, 2*I, H] (gate rows first), down [E, H, I], router [E, H]. `routing`: a Routing, or a bool
+    (norm_topk_prob with Qwen3-MoE's casts). `linear`: prepack each expert's two projections with it (None:
+    F.linear on the weights' slices, transformers' arithmetic exactly)."""
 
     def __init__(
         self,
@@ -49,7 +67,7 @@ class MoE:
         gate_up: torch.Tensor,
         down: torch.Tensor,
         top_k: int,
-        norm_topk_prob: bool,
+        routing: Routing | bool,
         act: str,
         linear: ExpertLinear | None = None,
     ):
@@ -61,7 +79,8 @@ class MoE:
             )
         gate_up, down = gate_up.contiguous(), down.contiguous()
         self.router, self.intermediate = router, two_i // 2
-        self.num_experts, self.top_k, self.norm_topk_prob, self.act = E, top_k, norm_topk_prob, act
+        self.routing = routing if isinstance(routing, Routing) else Routing(bool(routing))
+        self.num_experts, self.top_k, self.act = E, top_k, act
         self.on_route: RouteHook | None = None
         self.packed: list[PackedLinear] = []
         if linear is None:
@@ -79,20 +98,25 @@ class MoE:
         packs = [t for lin in self.packed for name, t in lin.packed.items() if name != "aten"]
         return [self.router, *self.dense, *packs]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' Qwen3MoeTopKRouter picks them."""
+    def route(
+        self, x: torch.Tensor, lora: LoraHook | None = None, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) as transformers' TopKRouter of the family picks them. Router LoRA
+        (PEFT's ParamWrapper on `mlp.gate.weight`: x (W + s B A)^T) is added to the logits, before the softmax."""
         logits = F.linear(x, self.router)
+        if lora is not None:
+            lora.apply(layer, "router", x, logits)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
+        if self.routing.norm_topk_prob:
             top /= top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), experts
+        return (top if self.routing.fp32_weights else top.to(logits.dtype)), experts
 
     def __call__(self, x: torch.Tensor, lora: LoraHook | None = None, layer: int = 0) -> torch.Tensor:
-        """x [T, H] -> [T, H], a fresh tensor (the caller adds it to the residual). With `lora`, each pair's
-        adapter's expert deltas are added to the gate_up output (before the activation) and to the down output
+        """x [T, H] -> [T, H], a fresh tensor (the caller adds it to the residual). With `lora`, each token's
+        adapter's router LoRA is added to its logits, and each pair's adapter's expert deltas are added to the gate_up output (before the activation) and to the down output
         (before the routing weight) of every expert of a chunk at once, between per-expert GEMMs."""
-        weights, experts = self.route(x)
+        weights, experts = self.route(x, lora, layer)
         if self.on_route is not None:
             self.on_route(experts)
         T = x.shape[0]

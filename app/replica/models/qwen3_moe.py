@@ -13,7 +13,7 @@ import torch
 
 from app.config.model_config import ModelConfig
 from app.replica.models.layer import Layer, MakeLinear, norm, split_projections
-from app.replica.models.moe import MoE
+from app.replica.models.moe import MoE, Routing
 from app.replica.models.weights import WeightReader
 
 
@@ -31,31 +31,41 @@ def load_layer(w: WeightReader, i: int, c: ModelConfig, linear: MakeLinear) -> L
     )
 
 
-def load_moe(w: WeightReader, prefix: str, c: ModelConfig, linear: MakeLinear | None = None) -> MoE:
+# each expert's (gate, up, down) weight names in Hub checkpoints: Qwen3-MoE's and OLMoE's
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def load_moe(
+    w: WeightReader,
+    prefix: str,
+    c: ModelConfig,
+    linear: MakeLinear | None = None,
+    routing: Routing | None = None,
+    names: tuple[str, str, str] = EXPERT_NAMES,
+) -> MoE:
+    """The sparse block under `prefix` (router `gate.weight`, experts fused or per expert as `names`);
+    `routing`: the family's (default: the config's norm_topk_prob, weights cast to the model dtype)."""
     x = prefix + "experts."
     if w.has(x + "gate_up_proj"):
         gate_up, down = w.get(x + "gate_up_proj"), w.get(x + "down_proj")
     else:
-        E = c.num_experts
+        E, (g, u, d) = c.num_experts, names
         gate_up = torch.stack(
-            [
-                torch.cat([w.get(f"{x}{e}.gate_proj.weight"), w.get(f"{x}{e}.up_proj.weight")])
-                for e in range(E)
-            ]
+            [torch.cat([w.get(f"{x}{e}.{g}.weight"), w.get(f"{x}{e}.{u}.weight")]) for e in range(E)]
         )
-        down = torch.stack([w.get(f"{x}{e}.down_proj.weight") for e in range(E)])
+        down = torch.stack([w.get(f"{x}{e}.{d}.weight") for e in range(E)])
     want = (c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size)
     if tuple(gate_up.shape) != want:
         raise ValueError(
             f"{x}gate_up has shape {tuple(gate_up.shape)}, config says {want} (num_experts, "
-            "2 * moe_intermediate_size, hidden_size)"
+            "2 * the experts' intermediate size, hidden_size)"
         )
     return MoE(
         w.get(prefix + "gate.weight"),
         gate_up,
         down,
         c.num_experts_per_tok,
-        c.norm_topk_prob,
+        routing or Routing(c.norm_topk_prob),
         c.hidden_act,
         linear,
     )

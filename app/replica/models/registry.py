@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.config.model_config import ModelConfig
-from app.replica.models import gemma3, llama, phi3, qwen3, qwen3_moe
+from app.replica.models import gemma3, llama, mixtral, olmoe, phi3, qwen3, qwen3_moe
 from app.replica.models.layer import Layer, MakeLinear
 from app.replica.models.weights import WeightReader
 
@@ -18,6 +18,8 @@ LAYER_LOADERS: dict[str, LoadLayer] = {
     "qwen2": llama.load_layer,
     "qwen3": qwen3.load_layer,
     "qwen3_moe": qwen3_moe.load_layer,
+    "mixtral": mixtral.load_layer,
+    "olmoe": olmoe.load_layer,
     "gemma3": gemma3.load_layer,
     "phi3": phi3.load_layer,
 }
