@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 
 PROMPTS = ["the quick brown fox", "hello world", "once upon a time", "to be or not"]
 HDR, WARM, PUSH_S = "x-loraland-adapter-version", "x-loraland-warm-replicas", "x-loraland-push-seconds"
@@ -29,6 +30,40 @@ def rl_step(prev: Path, out: Path, rng: np.random.Generator, scale: float = 0.05
     save_file(new, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text((prev / "adapter_config.json").read_text())
     return out
+
+
+def stack_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds used so far by this process ("load") and every process it started: pid -> (title, seconds)."""
+    out: dict[int, tuple[str, float]] = {}
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t, words = p.cpu_times(), p.cmdline()
+            title = (
+                "load"
+                if p.pid == me.pid
+                else (words[0].split(".")[0].rpartition("/")[2].strip() if words else "?")
+            )
+            out[p.pid] = (title, t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_between(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds each kind of process used between two stack_cpu() readings (the same titles summed)."""
+    out: dict[str, float] = {}
+    for pid, (title, s) in after.items():
+        out[title] = out.get(title, 0.0) + s - before.get(pid, (title, 0.0))[1]
+    return out
+
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu's), and how many cores this machine has."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.partition(':')[2].strip()} ({os.cpu_count()} cores)"
+    return f"unknown ({os.cpu_count()} cores)"
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -54,6 +89,7 @@ class Churn:
         self.load_s: list[float] = []
         self.swap_s: list[float] = []
         self.probe = False  # set during the churn phase
+        self.phases: dict[str, dict] = {}  # phase -> wall seconds, stack CPU seconds, load averages
         self.records: list[dict] = []
         self.rng = np.random.default_rng(0)
         self._refs: dict[tuple[str, str], str] = {}
@@ -82,10 +118,21 @@ class Churn:
         self.folders[ref] = folder
         self.latest[name] = int(ref.rpartition("@")[2])
         if self.probe:  # from the load returning to a 1-token answer on the new version (warm if pushed)
-            pr = await c.post("/v1/completions", headers=self.headers,
-                              json={"model": name, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0})  # fmt: skip
+            pr = await self.probe_once(c, name)
             if pr.status_code == 200 and pr.headers.get(HDR) == ref:
                 self.swap_s.append(time.monotonic() - self.loaded_at[ref])
+
+    async def probe_once(self, c: httpx.AsyncClient, name: str) -> httpx.Response:
+        body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}
+        return await c.post("/v1/completions", headers=self.headers, json=body)
+
+    async def prober(self, c: httpx.AsyncClient, until: float) -> None:
+        """Without churn, the churn phase's swap probes all the same (one per churning name every --swap-s):
+        the phases then differ by the loads and pushes only."""
+        while time.monotonic() < until:
+            t0 = time.monotonic()
+            await asyncio.gather(*(self.probe_once(c, n) for n in self.names))
+            await asyncio.sleep(max(0.0, self.args.swap_s - (time.monotonic() - t0)))
 
     async def warm_events(self, c: httpx.AsyncClient, seconds: float) -> None:
         """The replicas' "warm" answers to pushed versions, from the residency event stream."""
@@ -144,7 +191,19 @@ class Churn:
             self.probe = churn
             if churn:
                 tasks += [self.swapper(c, until), self.warm_events(c, duration + 5)]
+            elif name != "warmup":
+                tasks.append(self.prober(c, until))
+            t0, cpu0, load0 = time.monotonic(), stack_cpu(), os.getloadavg()
             await asyncio.gather(*tasks)
+            by = {
+                k: round(v, 1)
+                for k, v in sorted(cpu_between(cpu0, stack_cpu()).items(), key=lambda kv: -kv[1])
+            }
+            wall, cpu = time.monotonic() - t0, sum(by.values())
+            self.phases[name] = {"wall_s": round(wall, 1), "stack_cpu_s": round(cpu, 1),
+                                 "stack_cores": round(cpu / wall, 2), "loadavg_start": load0,
+                                 "loadavg_end": os.getloadavg(),
+                                 "cpu_s_by_process": {k: v for k, v in by.items() if v >= 0.5}}  # fmt: skip
 
     def reference(self, served: str, prompt: str) -> str:
         """The in-process kernel's greedy text for `served` (a churned version: its folder, under a name of
@@ -163,8 +222,13 @@ class Churn:
         return self._refs[key]
 
     def summary(self, resources: dict) -> dict:
-        out: dict = {"args": vars(self.args), "resources": resources}
-        for phase in ("baseline", "churn"):  # (the warm-up phase is not counted)
+        out: dict = {
+            "args": vars(self.args),
+            "cpu": cpu_name(),
+            "resources": resources,
+            "phases": self.phases,
+        }
+        for phase in ("baseline", "churn", "baseline_after"):  # (the warm-up phase is not counted)
             recs = [r for r in self.records if r["phase"] == phase]
             ok = [r for r in recs if r.get("status") == 200 and r.get("served") and not r.get("error")]
             lost = [r for r in recs if r not in ok]
@@ -175,6 +239,7 @@ class Churn:
                 "requests": len(recs), "ok": len(ok), "lost": len(lost), "wrong_version": len(wrong),
                 "on_churned_adapters": len(churned), "streamed": sum(r["stream"] for r in recs),
                 "req_per_s": len(ok) / span if span else 0.0,
+                "req_per_stack_cpu_s": len(ok) / self.phases[phase]["stack_cpu_s"] if phase in self.phases else None,
                 "latency_p50_s": pct([r["t1"] - r["t0"] for r in ok], 0.5),
                 "latency_p99_s": pct([r["t1"] - r["t0"] for r in ok], 0.99),
                 "lost_examples": [{k: r.get(k) for k in ("model", "status", "error")} for r in lost[:5]],
@@ -208,8 +273,16 @@ class Churn:
             for p in PROMPTS[:2]:
                 texts.setdefault((ref.partition("@")[0], p), set()).add(self.reference(ref, p))
         out["swaps"]["distinct_reference_texts_per_adapter_prompt"] = sorted(len(v) for v in texts.values())
-        base, churn = out["baseline"]["req_per_s"], out["churn"]["req_per_s"]
-        out["throughput_churn_vs_baseline"] = churn / base if base else None
+        # Vs each baseline (before and after the churn: the machine is shared, its load drifts), and per CPU
+        # second the stack used (what the churn costs, whatever share of the machine the stack got).
+        for key in ("req_per_s", "req_per_stack_cpu_s"):
+            churn = out["churn"][key]
+            bases = [
+                out[b][key] for b in ("baseline", "baseline_after") if out[b]["requests"] and out[b][key]
+            ]
+            ratio = f"{'throughput' if key == 'req_per_s' else 'per_cpu'}_churn_vs_baseline"
+            out[ratio] = [round(churn / b, 3) for b in bases]
+            out[ratio + "_mean"] = round(churn / (sum(bases) / len(bases)), 3) if bases else None
         return out
 
 
@@ -244,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--others", type=int, default=50, help="steady adapters beside the churning ones")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--no-after", action="store_true", help="no second baseline after the churn")
     ap.add_argument("--out", type=Path, default=None, help="JSON results (default results/churn-<mode>.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -266,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(bench.phase("churn", args.duration, churn=True))
         time.sleep(2 * cfg.heartbeat_s)
         end = snapshot(stack)
+        if not args.no_after:
+            asyncio.run(bench.phase("baseline_after", max(20.0, args.duration / 3), churn=False))
         result = bench.summary({"start": start, "end": end})
     out = (
         args.out
