@@ -7,8 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from app.replica.batch import Batch, ScheduledSeq
+from app.replica.kv_blocks import GLOBAL
+from app.replica.kv_layout import KVLayout
 from app.replica.lora.null import AdapterHooks
 from app.replica.models import ForwardBatch, PrefillAttn
+from app.replica.models.batch import GroupAttn
 from app.replica.sequence import Sequence
 
 
@@ -22,8 +25,10 @@ class PromptRows:
 
 
 class BatchBuilder:
-    def __init__(self, block_size: int, device: torch.device, adapters: AdapterHooks):
-        self.block_size, self.device, self.adapters = block_size, device, adapters
+    def __init__(
+        self, block_size: int, device: torch.device, adapters: AdapterHooks, layout: KVLayout = GLOBAL
+    ):
+        self.block_size, self.device, self.adapters, self.layout = block_size, device, adapters, layout
 
     def build(self, batch: Batch) -> tuple[ForwardBatch, list[ScheduledSeq], list[PromptRows]]:
         """The forward batch, the items that sample a token this step (the first logits rows, in order), and
@@ -33,8 +38,13 @@ class BatchBuilder:
         contiguous. An activated LoRA's chunk wholly before its activation point is a base chunk."""
         batch.items.sort(key=self._sort_key)
         bs = self.block_size
-        ids, pos, slots, lens = [], [], [], []
-        dec_idx, dec_tables, dec_lens, prefills, logits_idx, sampled = [], [], [], [], [], []
+        groups = range(self.layout.num_groups)
+        ids, pos, lens, dec_idx, logits_idx, sampled = [], [], [], [], [], []
+        # per KV group: slots, decode tables and lengths, prefill chunks
+        slots: list[list[int]] = [[] for _ in groups]
+        dec_tables: list[list[list[int]]] = [[] for _ in groups]
+        dec_lens: list[list[int]] = [[] for _ in groups]
+        prefills: list[list[PrefillAttn]] = [[] for _ in groups]
         seqs_tokens, prompt_rows, prompt_idx = [], [], []
         for it in batch.items:
             seq, start, n = it.seq, it.start, it.num_tokens
@@ -44,16 +54,23 @@ class BatchBuilder:
             pos.extend(rng)
             lens.extend([seq.num_tokens] * n)
             seq.kv_basis = seq.num_tokens
-            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in rng)
             if n == 1:
                 dec_idx.append(t0)
-                dec_tables.append(seq.block_ids)
-                dec_lens.append(start + 1)
             else:
-                nblk = -(-(start + n) // bs)
-                prefills.append(
-                    PrefillAttn(torch.arange(t0, t0 + n), start + n, torch.tensor(seq.block_ids[:nblk]))
-                )
+                rows, nblk = torch.arange(t0, t0 + n), -(-(start + n) // bs)
+            for g in groups:
+                table = seq.tables[g]
+                slots[g].extend(table[p // bs] * bs + p % bs for p in rng)
+                # a sliding group's attention starts at the first block its window needs: blocks before it
+                # are freed (-1), and positions count from there
+                first = self.layout.first_needed(g, start, bs)
+                if n == 1:
+                    dec_tables[g].append(table[first:] if first else table)
+                    dec_lens[g].append(start + 1 - first * bs)
+                else:
+                    prefills[g].append(
+                        PrefillAttn(rows, start + n - first * bs, torch.tensor(table[first:nblk]))
+                    )
             if it.samples:
                 logits_idx.append(t0 + n - 1)
                 sampled.append(it)
@@ -70,25 +87,32 @@ class BatchBuilder:
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(pos, device=dev),
-            slot_mapping=torch.tensor(slots, device=dev),
+            slot_mapping=torch.tensor(slots[0], device=dev),
             decode_idx=None,
             decode_block_tables=None,
             decode_ctx_lens=None,
-            prefills=prefills,
+            prefills=prefills[0],
             logits_idx=torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev),
             seq_lens=torch.tensor(lens, device=dev),
         )
         if dec_idx:
-            width = max(len(t) for t in dec_tables)
             fb.decode_idx = torch.tensor(dec_idx, device=dev)
-            # Pad each table with its own first block, not block 0: attention reads the padding under a mask,
-            # and 0 * inf is NaN, so a padded row must never read another sequence's (maybe broken) KV.
-            fb.decode_block_tables = torch.tensor(
-                [t + t[:1] * (width - len(t)) for t in dec_tables], device=dev
+            fb.decode_block_tables, fb.decode_ctx_lens = self._tables(dec_tables[0], dec_lens[0])
+        for g in groups[1:]:
+            tables, glens = self._tables(dec_tables[g], dec_lens[g]) if dec_idx else (None, None)
+            fb.groups.append(
+                GroupAttn(torch.tensor(slots[g], device=dev), fb.decode_idx, tables, glens, prefills[g])
             )
-            fb.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
         fb.lora = self.adapters.lora_batch(seqs_tokens)
         return fb, sampled, prompt_rows
+
+    def _tables(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode rows' block tables, padded to the widest, and their lengths, as tensors."""
+        width = max(len(t) for t in tables)
+        # Pad each table with its own first block, not block 0: attention reads the padding under a mask,
+        # and 0 * inf is NaN, so a padded row must never read another sequence's (maybe broken) KV.
+        padded = torch.tensor([t + t[:1] * (width - len(t)) for t in tables], device=self.device)
+        return padded, torch.tensor(lens, device=self.device)
 
     def _sort_key(self, it: ScheduledSeq) -> tuple[int, int]:
         if it.seq.base_tokens(it.start, it.num_tokens) == it.num_tokens:

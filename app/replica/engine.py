@@ -54,10 +54,14 @@ class Engine:
         c = model.cfg
         # LongRoPE models: K/V depend on the sequence's final length, not only its prefix (no prefix cache)
         caching = config.enable_prefix_caching and model.prefix_cache_safe
-        self.allocator = BlockAllocator(config.num_kv_blocks, config.block_size, caching)
+        # one pool of blocks for every KV group (app/replica/kv_layout.py): sliding-window layers' blocks go
+        # back to it once behind the window; num_kv_blocks is the memory of that many blocks of every layer
+        self.layout = model.kv_layout
+        self.num_blocks = self.layout.pool_blocks(config.num_kv_blocks, c.num_layers)
+        self.allocator = BlockAllocator(self.num_blocks, config.block_size, caching)
         self.kv = KVCache(
-            c.num_layers,
-            config.num_kv_blocks,
+            self.layout.width,
+            self.num_blocks,
             config.block_size,
             c.num_kv_heads,
             c.head_dim,
@@ -71,8 +75,9 @@ class Engine:
             release=self.adapters.release,
             policy=policy,
             stale_kv=model.stale_kv,
+            layout=self.layout,
         )
-        self.builder = BatchBuilder(config.block_size, model.device, self.adapters)
+        self.builder = BatchBuilder(config.block_size, model.device, self.adapters, self.layout)
         # every end token the model may emit: config.json's, generation_config.json's (a list in chat models,
         # e.g. Gemma's <eos> and <end_of_turn>) and the tokenizer's
         eos = set(c.eos_token_ids) | set(eos_token_ids)
@@ -91,7 +96,7 @@ class Engine:
     # ------------------------------------------------------------------ submission (any thread)
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest (naming what to change) if this prompt with these parameters cannot run here."""
-        check_request(prompt_ids, params, self.cfg, self.model.cfg.vocab_size)
+        check_request(prompt_ids, params, self.cfg, self.model.cfg.vocab_size, self.layout)
 
     def add(
         self,
@@ -246,7 +251,7 @@ class Engine:
         if isinstance(exc, NonFiniteLogits):
             # Its KV may hold inf/NaN too. Attention reads stale slots of reused blocks under a mask, and
             # 0 * inf is NaN, so clear the non-finite values before its blocks go back to the pool.
-            scrub_kv(self.kv, seq.block_ids, self.model.device)
+            scrub_kv(self.kv, seq.live_blocks(), self.model.device)
         self._finish(seq, "abort", row_error(seq, exc))
 
     # ------------------------------------------------------------------ outputs

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from app.config.kernel_config import KernelConfig
 from app.errors import InvalidRequest
+from app.replica.kv_layout import KVLayout
 from app.sampling_params import SamplingParams
 
 
@@ -32,9 +33,16 @@ class EngineConfig:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, cfg: EngineConfig, vocab: int) -> None:
+def check_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    cfg: EngineConfig,
+    vocab: int,
+    layout: KVLayout | None = None,
+) -> None:
     """Raise InvalidRequest (naming what to change) if this prompt with these parameters cannot run under `cfg`
-    on a model of `vocab` tokens: what a replica checks before fetching anything for a request."""
+    on a model of `vocab` tokens (whose KV groups are `layout`; None: one global group): what a replica checks
+    before fetching anything for a request."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty: give at least one token")
     n = len(prompt_ids)
@@ -50,9 +58,14 @@ def check_request(prompt_ids: list[int], params: SamplingParams, cfg: EngineConf
         err.param = "logit_bias"
         raise err
     need = min(n + params.max_tokens, cfg.max_model_len)
-    blocks = -(-need // cfg.block_size)
-    if blocks > cfg.num_kv_blocks:
+    blocks, pool = -(-need // cfg.block_size), cfg.num_kv_blocks
+    if (
+        layout is not None
+    ):  # blocks of `width` layers, all groups: a sliding group holds its window and a chunk
+        blocks = layout.blocks_needed(need, cfg.block_size, cfg.max_num_batched_tokens)
+        pool = layout.pool_blocks(cfg.num_kv_blocks, len(layout.layer_group))
+    if blocks > pool:
         raise InvalidRequest(
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks but the cache "
-            f"has {cfg.num_kv_blocks} of {cfg.block_size} tokens: lower max_tokens or the prompt"
+            f"has {pool} of {cfg.block_size} tokens: lower max_tokens or the prompt"
         )

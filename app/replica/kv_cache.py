@@ -85,19 +85,26 @@ class BlockAllocator:
                     blk.hash = None
                     self._free.append(bid)
 
+    def cached(self, h: bytes) -> bool:
+        """Whether a block with key `h` is in the prefix cache (no reference taken)."""
+        return h in self._by_hash
+
     def lookup(self, h: bytes) -> int | None:
-        """Take a reference on the cached block with hash `h`, if any."""
-        self.queries += 1
+        """Take a reference on the cached block with key `h`, if any."""
         bid = self._by_hash.get(h)
         if bid is None:
             return None
-        self.hits += 1
         blk = self.blocks[bid]
         if blk.ref_count == 0:
             self._evictable.pop(bid, None)
         blk.ref_count += 1
         self.peak_used = max(self.peak_used, self.num_used)
         return bid
+
+    def count_prefix(self, queries: int, hits: int) -> None:
+        """Prefix-cache statistics: `queries` leading blocks of a prompt looked for, `hits` of them reused."""
+        self.queries += queries
+        self.hits += hits
 
     def register(self, bid: int, h: bytes) -> None:
         """Record that block `bid` now holds the full block with prefix hash `h`."""
@@ -110,7 +117,8 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Per-layer K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim], one per layer of a KV group
+    (app/replica/kv_layout.py: `num_layers` is the layout's width; every layer when there is one group)."""
 
     def __init__(
         self,

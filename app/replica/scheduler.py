@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 from app.replica.batch import Batch, ScheduledSeq
 from app.replica.fairness import AdmissionPolicy, FirstComeFirstServed
-from app.replica.kv_cache import BlockAllocator, block_hash
+from app.replica.kv_blocks import GLOBAL, BlockTables
+from app.replica.kv_cache import BlockAllocator
+from app.replica.kv_layout import KVLayout
 from app.replica.sequence import Sequence, Status
 
 
@@ -60,8 +62,10 @@ class Scheduler:
         release: Callable[[Sequence], None] = _nothing,
         policy: AdmissionPolicy | None = None,
         stale_kv: Callable[[Sequence], bool] = _never,
+        layout: KVLayout = GLOBAL,  # the model's KV groups (sliding-window layers free blocks behind them)
     ):
         self.config = config
+        self.tables = BlockTables(allocator, layout, config.block_size)
         self.stale_kv = stale_kv  # a running sequence whose cached K/V the model says must be computed again
         self.policy: AdmissionPolicy = policy if policy is not None else FirstComeFirstServed()
         self.alloc = allocator
@@ -79,6 +83,7 @@ class Scheduler:
     # ----------------------------------------------------------------- queue management
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        self.tables.reset(seq)
         self._insert_waiting(seq, arrival=True)
 
     def _insert_waiting(self, seq: Sequence, arrival: bool) -> None:
@@ -112,10 +117,7 @@ class Scheduler:
             self.release(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.alloc.free(seq.block_ids)
-        seq.block_ids = []
-        seq.block_hashes = []
-        seq.num_computed = 0
+        self.tables.reset(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -129,30 +131,14 @@ class Scheduler:
 
     # ----------------------------------------------------------------- scheduling
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = -(-(seq.num_computed + num_new) // self.config.block_size)
-        return max(0, total - len(seq.block_ids))
+        return self.tables.needed(seq, num_new)
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
-        need = self._blocks_needed(seq, num_new)
-        if need > self.alloc.num_free:
-            return False
-        seq.block_ids.extend(self.alloc.allocate() for _ in range(need))
-        return True
+        return self.tables.grow(seq, num_new)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Attach cached blocks for the sequence's leading full blocks (at least one token stays uncomputed)."""
-        bs = self.config.block_size
-        ids = seq.all_ids
-        parent = None
-        for j in range((len(ids) - 1) // bs):
-            h = block_hash(parent, tuple(ids[j * bs : (j + 1) * bs]), seq.kv_key((j + 1) * bs))
-            bid = self.alloc.lookup(h)
-            if bid is None:
-                break
-            seq.block_ids.append(bid)
-            seq.block_hashes.append(h)
-            parent = h
-        seq.num_computed = len(seq.block_ids) * bs
+        self.tables.reuse_prefix(seq)
 
     def schedule(self) -> Batch:
         batch = Batch()
@@ -260,7 +246,7 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             victims = list(claim.victims)
             # count what the victims would free first: never preempt for a claim that cannot fit
-            freeable = sum(len(v.block_ids) for v in victims)
+            freeable = sum(len(v.live_blocks()) for v in victims)
             need = self._blocks_needed(seq, n)
             if need > self.alloc.num_free + freeable:
                 self._free(seq)
@@ -288,15 +274,9 @@ class Scheduler:
     def commit(self, batch: Batch) -> None:
         """After the forward: mark the fed tokens computed, register newly filled blocks for reuse, and charge
         the policy one output token for every sequence that samples (the engine appends it next)."""
-        bs = self.config.block_size
         for it in batch.items:
             seq = it.seq
             if it.samples:
                 self.policy.sampled(seq)
             seq.num_computed = it.start + it.num_tokens
-            while len(seq.block_hashes) < seq.num_computed // bs:
-                j = len(seq.block_hashes)
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
-                h = block_hash(parent, tuple(seq.token_range(j * bs, (j + 1) * bs)), seq.kv_key((j + 1) * bs))
-                self.alloc.register(seq.block_ids[j], h)
-                seq.block_hashes.append(h)
+            self.tables.commit(seq)

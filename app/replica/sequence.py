@@ -45,7 +45,9 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
     kv_basis: int = 0  # the sequence's length when its cached K/V were last computed (LongRoPE picks by it)
-    block_ids: list[int] = field(default_factory=list)
+    # per KV group (app/replica/kv_layout.py) the sequence's block table; -1 marks a block a sliding group
+    # freed (wholly before the window). One group, the whole table, for a model without sliding layers.
+    tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the leading full blocks
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -70,6 +72,19 @@ class Sequence:
         """The adapter identity of this sequence's KV at positions before `end` (a prefix-cache block ending
         there): the base model's ("") while they all precede the activation, else the adapter's key."""
         return "" if self.adapter is None or end <= self.lora_start else self.adapter
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's table (the global one whenever the model has global layers)."""
+        return self.tables[0]
+
+    @block_ids.setter
+    def block_ids(self, ids: list[int]) -> None:
+        self.tables[0] = ids
+
+    def live_blocks(self) -> list[int]:
+        """Every block the sequence holds, in all groups."""
+        return [b for t in self.tables for b in t if b >= 0]
 
     @property
     def all_ids(self) -> list[int]:

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from loraland_kernels import fused
 
-from app.replica.models.batch import ForwardBatch
+from app.replica.models.batch import ForwardBatch, GroupAttn
 
 
-def stale_slots(b: ForwardBatch, block_size: int) -> torch.Tensor | None:
+def stale_slots(b: ForwardBatch | GroupAttn, block_size: int) -> torch.Tensor | None:
     """(The torch decode path only: the fused one reads no slot past a row's length.) Cache slots (block * block_size + offset) past each decode row's length in its own last block. They are
     stale: a reused block's previous owner left them, maybe inf/NaN (a prefill aborted midway). Decode attention
     reads them (and the padding, which repeats the row's first block) under a mask of weight 0, but 0 * NaN is
@@ -28,7 +28,7 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    b: ForwardBatch,
+    b: ForwardBatch | GroupAttn,
     kc: torch.Tensor,
     vc: torch.Tensor,
     window: int | None,
@@ -36,7 +36,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, d], k/v [T, Hkv, d] of this step (already in the cache too) -> [T, H * d]. A key at position j
     is seen by a query at i when j <= i and, with a window w, j > i - w (transformers' sliding mask). SDPA gets
-    4-D inputs: 3-D ones with enable_gqa fall back to the unfused math path on CPU (~10x slower)."""
+    4-D inputs: 3-D ones with enable_gqa fall back to the unfused math path on CPU (~10x slower). `b` is the
+    layer's KV group's layout (ForwardBatch.group): a sliding group's positions count from its first needed
+    block, so i and j above are relative, which the mask does not mind."""
     T, H, d = q.shape
     Hkv = k.shape[1]
     out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)

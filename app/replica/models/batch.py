@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -40,6 +40,19 @@ class PrefillAttn:
 
 
 @dataclass
+class GroupAttn:
+    """The attention layout of one more KV group (app/replica/kv_layout.py) beyond the first, whose layout is the
+    ForwardBatch's own fields. A sliding group's tables start at the first block its window needs: its decode
+    lengths and prefill ctx_len count from that block's first position (attention only sees relative order)."""
+
+    slot_mapping: torch.Tensor  # [T]
+    decode_idx: torch.Tensor | None  # the batch's
+    decode_block_tables: torch.Tensor | None
+    decode_ctx_lens: torch.Tensor | None
+    prefills: list[PrefillAttn]
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -51,3 +64,8 @@ class ForwardBatch:
     logits_idx: torch.Tensor  # [n] tokens whose next-token logits are needed
     lora: LoraHook | None = None
     seq_lens: torch.Tensor | None = None  # [T] each token's sequence length (its known tokens) this step
+    groups: list[GroupAttn] = field(default_factory=list)  # KV groups 1.. (sliding-window models)
+
+    def group(self, g: int) -> ForwardBatch | GroupAttn:
+        """KV group g's slots, decode tables and lengths, and prefill blocks (group 0: this batch's fields)."""
+        return self if g == 0 else self.groups[g - 1]

@@ -20,6 +20,7 @@ from loraland_kernels import fused
 
 from app.config.model_config import ModelConfig
 from app.replica.kv_cache import KVCache
+from app.replica.kv_layout import KVLayout
 from app.replica.linear import KERNELS, GemmTuner, PackedLinear, Plan, default_tuner, plain_linear
 from app.replica.models.attention import paged_attention, stale_slots
 from app.replica.models.batch import ForwardBatch
@@ -75,6 +76,7 @@ class Model:
         self.layers: list[Layer] = [load_layer(w, i, c, linear) for i in range(c.num_layers)]
         w.close()
         self.windows = c.windows()
+        self.kv_layout = KVLayout.of(self.windows)  # which layers share block tables and cache tensors
         glob = Rope(c.rope_theta, c.head_dim, c.rope_scaling, c.partial_rotary_factor, device)
         local = (
             glob if c.local_rope_theta is None else Rope(c.local_rope_theta, c.head_dim, None, 1.0, device)
@@ -126,7 +128,10 @@ class Model:
             h.mul_(self.embed_scale)
         rope = [r.cos_sin(b.positions, b.seq_lens, self.dtype) for r in self.ropes]
         fast = self.fused
-        stale = stale_slots(b, kv.k[0].shape[1]) if b.decode_idx is not None and not fast else None
+        lay = self.kv_layout
+        groups = [b.group(g) for g in range(lay.num_groups)]
+        bs = kv.k[0].shape[1]
+        stale = [stale_slots(gb, bs) if b.decode_idx is not None and not fast else None for gb in groups]
         delta = None  # the last block's output, added to the residual stream h inside the next norm
         for li, L in enumerate(self.layers):
             x = L.attn_norm.add_norm(h, delta)
@@ -140,17 +145,19 @@ class Model:
                 q.copy_(L.q_norm(q.reshape(-1, d)).view_as(q))
                 k.copy_(L.k_norm(k.reshape(-1, d)).view_as(k))
             cos, sin = rope[self.layer_rope[li]]
-            kc, vc = kv.k[li], kv.v[li]
+            # this layer's KV group: its block tables, and its tensor of the group's blocks
+            gb, gstale = groups[lay.layer_group[li]], stale[lay.layer_group[li]]
+            kc, vc = kv.k[lay.layer_slot[li]], kv.v[lay.layer_slot[li]]
             if fast:  # rotary on q and k, k and v into the cache: one pass
-                fused.rope_cache_(qkv, H, Hkv, d, cos, sin, b.slot_mapping, kc, vc)
+                fused.rope_cache_(qkv, H, Hkv, d, cos, sin, gb.slot_mapping, kc, vc)
             else:
                 _rotate_qk_(qkv, qs + ks, H + Hkv, d, cos, sin)
-                kc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, k)
-                vc.view(-1, Hkv, d).index_copy_(0, b.slot_mapping, v)
-            if stale is not None:
-                kc.view(-1, Hkv, d).index_fill_(0, stale, 0.0)
-                vc.view(-1, Hkv, d).index_fill_(0, stale, 0.0)
-            attn = paged_attention(q, k, v, b, kc, vc, self.windows[li], c.attn_scale)
+                kc.view(-1, Hkv, d).index_copy_(0, gb.slot_mapping, k)
+                vc.view(-1, Hkv, d).index_copy_(0, gb.slot_mapping, v)
+            if gstale is not None:
+                kc.view(-1, Hkv, d).index_fill_(0, gstale, 0.0)
+                vc.view(-1, Hkv, d).index_fill_(0, gstale, 0.0)
+            attn = paged_attention(q, k, v, gb, kc, vc, self.windows[li], c.attn_scale)
             o = L.o(attn)
             if lora is not None:
                 lora.apply(li, "o", attn, o)
