@@ -225,6 +225,46 @@ def test_chat_template_gets_the_tools_and_the_call_messages():
     assert text == f"[tool add]<user>{MESSAGES[0]['content']}<assistant>call add 2<tool>5 for call_1"
 
 
+def test_a_template_without_tools_gets_them_in_the_system_message():
+    """SmolLM2's kind of template (it never reads `tools`): the tools in Hermes format in the system message
+    (appended to the caller's own), past calls as <tool_call> text, tool results as one user turn."""
+    from transformers import PreTrainedTokenizerFast
+
+    from app.replica.chat import TOOLS_SYSTEM, knows_tools, render_chat
+    from app.router.http.tool_calls import chat_messages
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=__import__("tokenizers").Tokenizer(
+        __import__("tokenizers").models.WordLevel({"a": 0}, unk_token="a")))  # fmt: skip
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert not knows_tools(tok.chat_template) and knows_tools("{{ tools }}")
+    described = TOOLS_SYSTEM.format(tools="\n".join(json.dumps(t) for t in TOOLS[:2]))
+    assert render_chat(MESSAGES, tok, tools=TOOLS[:2]) == f"<system>{described}<user>{MESSAGES[0]['content']}"
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+                {"id": "c2", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "5"},
+            {"role": "tool", "tool_call_id": "c2", "content": "red"},
+        ],
+    }  # fmt: skip
+    text = render_chat(chat_messages(ChatRequest.model_validate(body)), tok, tools=TOOLS[:2])
+    assert text == (
+        f"<system>Be brief.\n\n{described}<user>{MESSAGES[0]['content']}<assistant>"
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>\n'
+        '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+        "<user><tool_response>\n5\n</tool_response>\n<tool_response>\nred\n</tool_response>"
+    )
+    # what "auto" parses back is the format the system message asks for
+    assert _read(HermesCalls(), [text.split("<assistant>")[1].split("<user>")[0]])[1] == [
+        ["add", '{"a": 2, "b": 3}'],
+        ["lookup", "{}"],
+    ]
+
+
 # ---------------------------------------------------------------------------------------------- HTTP end to end
 @pytest.fixture(scope="module")
 def http(redis_server, llama_dir, tmp_path_factory):  # noqa: F811
