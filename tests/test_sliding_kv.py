@@ -107,6 +107,49 @@ def test_sliding_blocks_are_freed_and_a_prefix_is_reused_only_with_its_window():
     assert alloc.num_used == 0
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "vtc"])
+def test_scheduler_under_pressure_loses_nothing_and_frees_every_group(policy):
+    """Pure Python: eight long sequences in a pool that holds three of them: preemption by recompute, every
+    sequence finishes with all its tokens, every block comes back; each group holds what its kind allows."""
+    from app.replica.fairness import make_policy
+    from app.replica.scheduler import Scheduler, SchedulerConfig
+
+    lay = KVLayout.of((WINDOW, WINDOW, None, WINDOW, WINDOW, None))
+    alloc = BlockAllocator(3 * 31, BS, True)
+    s = Scheduler(SchedulerConfig(8, 16, BS), alloc, policy=make_policy(policy), layout=lay)
+    seqs = [Sequence(i, [3 + i] * 48, SamplingParams(max_tokens=52), arrival=float(i)) for i in range(8)]
+    for q in seqs:
+        s.add(q)
+    while s.has_work():
+        b = s.schedule()
+        s.commit(b)
+        for it in b.items:
+            held = [len([x for x in t if x >= 0]) for t in it.seq.tables]
+            assert held[0] == -(-it.seq.num_computed // BS) and max(held[1:]) <= BOUND + 16 // BS
+            if it.samples:
+                it.seq.output_ids.append(7)
+                if len(it.seq.output_ids) == 52:
+                    s.finish(it.seq, "length")
+    assert s.num_preemptions > 0 and all(len(q.output_ids) == 52 for q in seqs)
+    assert alloc.num_used == 0
+
+
+def test_a_request_is_refused_only_when_it_cannot_fit_alone():
+    from app.errors import InvalidRequest
+    from app.replica.engine_config import EngineConfig, check_request
+
+    lay = KVLayout.of((WINDOW, None))
+    cfg = EngineConfig(max_model_len=512, num_kv_blocks=60, block_size=BS, max_num_batched_tokens=16)
+    # 200 tokens: 50 global blocks + a sliding window and one chunk (7); 120 blocks of one layer in the pool
+    check_request([5] * 100, SamplingParams(max_tokens=100), cfg, 300, lay)
+    with pytest.raises(InvalidRequest, match="needs 127 KV blocks but the cache has 120"):
+        check_request([5] * 100, SamplingParams(max_tokens=380), cfg, 300, lay)
+    with pytest.raises(
+        InvalidRequest, match="needs 50 KV blocks but the cache has 20"
+    ):  # no layout: as before
+        check_request([5] * 100, SamplingParams(max_tokens=100), EngineConfig(512, 20, BS), 300)
+
+
 def test_long_sequences_match_hf_with_chunks_preemption_and_prefix_hits(gemma):
     model_dir, adapters, peft = gemma
     prompts, ids = _requests(6, 11, 30, 70)
