@@ -206,7 +206,7 @@ def start_stack(
     import ray
     from ray import serve
 
-    from app.cli.serve import deploy, env_for_workers
+    from app.cli.serve import deploy, env_for_workers, init_ray
     from app.config.app_config import AppConfig
 
     if redis_url is None:
@@ -235,7 +235,7 @@ def start_stack(
     )
     print("starting a local Ray and the Serve app (AUTH IS OFF: local demo on loopback only) ...")
     # Logical CPUs are scheduling tokens: make sure the replica and ingress fit on a small machine.
-    ray.init(
+    init_ray(
         runtime_env={"env_vars": env_for_workers(cfg)},
         include_dashboard=False,
         num_cpus=max(os.cpu_count() or 1, 2),

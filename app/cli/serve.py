@@ -184,6 +184,22 @@ def env_for_workers(cfg: AppConfig) -> dict[str, str]:
     return env
 
 
+def init_ray(attempts: int = 3, **options: Any) -> None:
+    """ray.init(**options), tried `attempts` times. On a loaded machine a local Ray's raylet may not register with
+    its GCS within Ray's fixed 30 s ("The current node timed out during startup"); a second start then succeeds."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**options)
+            return
+        except Exception as e:
+            if attempt == attempts or "timed out during startup" not in str(e):
+                raise
+            log.warning("Ray did not start (%s); shutting it down and trying again", str(e)[:200])
+            ray.shutdown()
+
+
 def start_serve(attempts: int = 3, **options: Any) -> None:
     """serve.start(**options), tried `attempts` times. On a busy machine Serve's controller can give up on its
     HTTP proxy before the proxy's worker has even started ("HTTP proxies not available after 60s", the proxy
@@ -248,7 +264,7 @@ def _serve(args: argparse.Namespace) -> int:
             # Logical CPUs are scheduling tokens: make sure the requested replicas fit on a small machine.
             most = (cfg.autoscaling or {}).get("max_replicas", cfg.replicas)
             needed = math.ceil(most * cfg.replica_num_cpus + cfg.ingress_replicas * cfg.ingress_num_cpus)
-            ray.init(
+            init_ray(
                 num_cpus=max(os.cpu_count() or 1, needed),
                 runtime_env={"env_vars": env_for_workers(cfg)},
                 include_dashboard=False,
