@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -52,6 +53,26 @@ def start_once(who: str, a, folder: Path, caches: Path, log: Path) -> float:
     return seconds
 
 
+def start_retried(
+    who: str, a, folder: Path, caches: Path, log: Path, empty: bool, attempts: int = 3
+) -> float:
+    """start_once, again when the server exits before answering (on a loaded machine Ray's own start can time
+    out: "The current node timed out during startup"); each failure is printed, its time not counted; with
+    `empty`, what the failed start cached is removed first."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start_once(who, a, folder, caches, log)
+        except RuntimeError as e:
+            if attempt == attempts:
+                raise
+            log.rename(log.with_suffix(f".failed{attempt}.log"))
+            print(f"  {who} failed ({str(e)[:200]}); starting it again", flush=True)
+            if empty:
+                for p in caches.iterdir():
+                    shutil.rmtree(p)
+    raise AssertionError("unreachable")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--passes", type=int, default=2)
@@ -77,7 +98,7 @@ def main() -> int:
                 for start in ("first", "second"):  # empty caches, then the same caches kept
                     log = a.logs / f"{who}-pass{p + 1}-{start}.log"
                     print(f" {start} start:", end="", flush=True)
-                    runs[who][start].append(start_once(who, a, folder, Path(tmp), log))
+                    runs[who][start].append(start_retried(who, a, folder, Path(tmp), log, start == "first"))
     result = {"model": "smollm2-135m", "dtype": a.dtype, "cpu": _cpu(), "seconds": runs}
     if not a.no_vllm:
         result["ours_over_vllm"] = {
