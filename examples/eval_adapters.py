@@ -5,7 +5,9 @@ transformers + PEFT (greedy tokens, fp32).
     .venv/bin/python examples/eval_adapters.py --model gemma3-270m   # app/demo/gemma3_adapters, Gemma's template
 
 The held-out sentences come from another seed than training's and exclude every training sentence
-(app/demo/tasks.py: eval_examples). Prints one markdown table row per task, then the table."""
+(app/demo/tasks.py: eval_examples); the weather_tool adapter's held-out questions name cities training never
+saw (app/demo/tool_task.py, measured by app/demo/evaluate_tool.py). Prints one markdown table row per task, then
+the table."""
 
 from __future__ import annotations
 
@@ -33,13 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adapters", type=Path, default=None, help="default: the model's shipped adapters")
     ap.add_argument("--n", type=int, default=50, help="held-out examples per task")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers + PEFT comparison")
+    ap.add_argument(
+        "--tasks", nargs="+", default=None, help="only these adapters (default: every shipped one)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
 
     import torch
     from transformers.utils import logging as hf_logging
 
+    from app.demo import tool_task as W
     from app.demo.evaluate import KV_BLOCKS, TABLE_HEADER, evaluate
+    from app.demo.evaluate_tool import evaluate_tool
     from app.demo.real_assets import shipped_adapters
     from app.demo.smollm2 import model_dir
     from loraland import LLMKernel
@@ -52,20 +59,33 @@ def main(argv: list[str] | None = None) -> int:
 
     template = gemma3.CHAT_TEMPLATE if args.model == gemma3.SHORT_NAME else None
     base = gemma3.model_dir() if template else Path(args.model) if args.model else model_dir()
-    adapters = shipped_adapters(args.adapters or (gemma3.ADAPTERS_DIR if template else ADAPTERS_DIR))
+    folder = args.adapters or (gemma3.ADAPTERS_DIR if template else ADAPTERS_DIR)
+    adapters = {t: f for t, f in shipped_adapters(folder).items() if args.tasks is None or t in args.tasks}
+    tool = folder / W.TOOL_TASK  # SmolLM2's only: the tools reach the prompt through its template
+    if not (tool / "adapter_model.safetensors").is_file() or (args.tasks and W.TOOL_TASK not in args.tasks):
+        tool = None
     t0 = time.perf_counter()
     kernel = LLMKernel(str(base), dtype="float32", max_adapters=4, max_batch_size=64, num_kv_blocks=KV_BLOCKS)
     try:
-        for name, folder in adapters.items():
-            kernel.load_adapter(name, folder)
+        for name, f in {**adapters, **({W.TOOL_TASK: tool} if tool else {})}.items():
+            kernel.load_adapter(name, f)
         print(TABLE_HEADER)
-        results = evaluate(kernel, base, adapters, args.n, with_hf=not args.no_hf, chat_template=template)
+        results = (
+            evaluate(kernel, base, adapters, args.n, with_hf=not args.no_hf, chat_template=template)
+            if adapters
+            else []
+        )
+        tool_result = evaluate_tool(kernel, base, tool, args.n, with_hf=not args.no_hf) if tool else None
+        if tool_result is not None:
+            results.append(tool_result.calls)
     finally:
         kernel.close()
     print(f"\n{args.n} held-out examples per task, greedy, fp32, in {time.perf_counter() - t0:.0f}s\n")
     print(TABLE_HEADER)
     for r in results:
         print(r.row())
+    if tool_result is not None:
+        print(f"\n{tool_result.line()}")
     for r in results:
         for sentence, got in r.misses:
             print(f"miss {r.task}: {sentence!r} -> {got!r}")

@@ -40,13 +40,15 @@ def prompt_ids(tok, sentence: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def kernel_greedy(kernel, prompts: list[list[int]], adapter: str | None) -> list[list[int]]:
+def kernel_greedy(
+    kernel, prompts: list[list[int]], adapter: str | None, max_new: int = MAX_NEW_TOKENS
+) -> list[list[int]]:
     """Greedy token ids through LLMKernel, all prompts in one shared batch."""
-    done = kernel.complete(prompts, [adapter] * len(prompts), max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    done = kernel.complete(prompts, [adapter] * len(prompts), max_tokens=max_new, temperature=0.0)
     return [c.token_ids for c in done]
 
 
-def hf_greedy(model, tok, prompts: list[list[int]]) -> list[list[int]]:
+def hf_greedy(model, tok, prompts: list[list[int]], max_new: int = MAX_NEW_TOKENS) -> list[list[int]]:
     """Greedy token ids through transformers' generate, one prompt at a time (no padding to perturb the sums),
     stopping at the model's end token as the kernel does."""
     import torch
@@ -57,7 +59,7 @@ def hf_greedy(model, tok, prompts: list[list[int]]) -> list[list[int]]:
         for ids in prompts:
             x = torch.tensor([ids])
             y = model.generate(
-                x, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+                x, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
             )
             out.append(y[0, len(ids) :].tolist())
     return out
@@ -69,7 +71,7 @@ def end_ids(generation_config) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def _strip_end(ids: list[int], eos: list[int]) -> list[int]:
+def strip_end(ids: list[int], eos: list[int]) -> list[int]:
     """The tokens before the first end token (the kernel may or may not report the end token itself)."""
     for i, t in enumerate(ids):
         if t in eos:
@@ -111,7 +113,7 @@ def evaluate(
         if hf is not None:
             peft = PeftModel.from_pretrained(hf, folder, adapter_name=task).eval()
             theirs = hf_greedy(peft, tok, prompts)
-            agree = sum(_strip_end(a, eos) == _strip_end(b, eos) for a, b in zip(ours, theirs, strict=True))
+            agree = sum(strip_end(a, eos) == strip_end(b, eos) for a, b in zip(ours, theirs, strict=True))
             hf = peft.unload()  # the bare transformers model again, for the next adapter
         base_ok = sum(T.correct(task, decode(o), e) for o, e in zip(base_out, exs, strict=True))
         ok = [T.correct(task, decode(o), e) for o, e in zip(ours, exs, strict=True)]
