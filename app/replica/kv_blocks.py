@@ -75,11 +75,12 @@ class BlockTables:
         while m > 0 and not self._usable(hashes, m):
             m -= 1
         self.alloc.count_prefix(queries=m + (m < cand), hits=m)
-        seq.tables = [
-            [-1] * (fn := self.layout.first_needed(g, m * bs, bs))
-            + [self.alloc.lookup(group_key(hashes[j], g)) for j in range(fn, m)]
-            for g in range(len(windows))
-        ]
+        seq.tables = []
+        for g in range(len(windows)):  # a sliding group takes only the blocks in the window before m
+            first = self.layout.first_needed(g, m * bs, bs)
+            seq.tables.append(
+                [-1] * first + [self.alloc.lookup(group_key(hashes[j], g)) for j in range(first, m)]
+            )
         seq.block_hashes = hashes[:m]
         seq.num_computed = m * bs
 

@@ -1,7 +1,8 @@
 """Continuous (iteration-level) batching: admission, a token budget per step, chunked prefill, preemption.
 
-Pure Python over `Sequence` and `BlockAllocator`; each step's output is a `Batch` (app/replica/batch.py), which
-the engine turns into tensors. Preemption is by recompute: the victim's blocks are freed and it re-enters the
+Pure Python over `Sequence` and `BlockAllocator` (a sequence's block tables, one per KV group, are kept by
+app/replica/kv_blocks.py: a sliding-window group frees what falls behind its window); each step's output is a
+`Batch` (app/replica/batch.py), which the engine turns into tensors. Preemption is by recompute: the victim's blocks are freed and it re-enters the
 waiting queue at its arrival position, so no request is lost and its output is unchanged (its sampled tokens
 become part of what is recomputed).
 Which waiting request is admitted next is the admission policy's call (app/replica/fairness.py): arrival order
