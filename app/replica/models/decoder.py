@@ -162,7 +162,7 @@ class Model:
             if lora is not None:
                 lora.apply(li, "o", attn, o)
             x = L.mlp_norm.add_norm(h, o if L.attn_out_norm is None else L.attn_out_norm(o))
-            if L.moe is not None:  # LoRA on the experts (never the router: refused at adapter load)
+            if L.moe is not None:  # LoRA on the router logits and the experts, inside
                 dn = L.moe(x, lora, li)
             else:
                 gu = L.gate_up(x)
