@@ -371,7 +371,8 @@ def run(a) -> dict:
             adapters={n: adapters[n] for n in ranked},
             max_loras=ENGINE["slots"],
             max_cpu_loras=ENGINE["host_cache"],
-            max_model_len=2048,
+            # W's 2,048; a real model's tokenizer turns W2's up-to-1,024 random words into more tokens than that
+            max_model_len=2048 if a.model == "w" else 8192,
             dtype=a.dtype,
             cpus=cpus,
             extra=extra,
