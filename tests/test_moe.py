@@ -19,7 +19,7 @@ from app.replica.lora.peft_format import read_adapter
 from app.replica.models.moe import MoE
 from loraland import LLMKernel
 from tests.fixtures.adapters import make_peft_adapter, peft_model_with
-from tests.fixtures.moe_models import build_moe_model, make_expert_adapter
+from tests.fixtures.moe_models import build_moe_model, make_expert_adapter, random_sparse_block
 from tests.hf_oracle import hf_greedy
 
 MAX_NEW = 8
@@ -91,14 +91,7 @@ def test_grouped_experts_equal_transformers_sparse_block(tokens, norm_topk):
         num_experts_per_tok=3,
         norm_topk_prob=norm_topk,
     )
-    cfg._experts_implementation = "eager"
-    torch.manual_seed(tokens)
-    block = Qwen3MoeSparseMoeBlock(cfg).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.3)
-        x = torch.randn(1, tokens, 48)
-        want = block(x)[0]
+    block, x, want = random_sparse_block(Qwen3MoeSparseMoeBlock, cfg, tokens)
     e = block.experts
     ours = MoE(block.gate.weight.data, e.gate_up_proj.data, e.down_proj.data, 3, norm_topk, "silu")
     assert torch.equal(ours(x[0]), want)

@@ -16,7 +16,7 @@ from app.errors import InvalidRequest
 from app.replica.lora.peft_format import read_adapter
 from loraland import LLMKernel
 from tests.fixtures.adapters import make_peft_adapter
-from tests.fixtures.moe_models import MOE_MODELS, build_moe_model, make_expert_adapter
+from tests.fixtures.moe_models import MOE_MODELS, build_moe_model, make_expert_adapter, random_sparse_block
 from tests.hf_oracle import hf_greedy
 
 MAX_NEW = 8
@@ -201,15 +201,7 @@ def test_mixtral_routing_equals_transformers_sparse_block(tokens, dtype):
     from app.replica.models.moe import MIXTRAL, MoE
 
     cfg = MixtralConfig(hidden_size=48, intermediate_size=24, num_local_experts=8, num_experts_per_tok=3)
-    cfg._experts_implementation = "eager"
-    torch.manual_seed(tokens)
-    block = MixtralSparseMoeBlock(cfg).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.3)
-        block.to(dtype)
-        x = torch.randn(1, tokens, 48, dtype=dtype)
-        want = block(x)[0]
+    block, x, want = random_sparse_block(MixtralSparseMoeBlock, cfg, tokens, dtype)
     e = block.experts
     ours = MoE(block.gate.weight.data, e.gate_up_proj.data, e.down_proj.data, 3, MIXTRAL, "silu")
     _, hf_weights, hf_experts = block.gate(x[0])
