@@ -19,23 +19,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from app.catalog.replicas import LOADING
+
 log = logging.getLogger("loraland.ingress")
 
 PUSH_TIMEOUT_S = 5.0  # the longest a runtime load waits for the holders before promoting the version anyway
-POLL_S = (
-    0.01,
-    0.1,
-)  # the first wait between reads of the answers, growing by half each read up to the second
-LOADING = "loading"  # app/catalog/replicas.LOADING: a replica's first answer, its final one follows
+# the first wait between reads of the answers, growing by half each read up to the second
+POLL_S = (0.01, 0.1)
 LATE_GRACE_S = 0.05  # with no holder listed, how long to look for one the heartbeats missed (its LOADING)
 
 
 @dataclass(frozen=True)
 class PushResult:
     ref: str  # name@version pushed
-    holders: tuple[
-        str, ...
-    ]  # replicas holding some version of the name (listed when the push began, or late)
+    # replicas holding some version of the name (listed when the push began, or late)
+    holders: tuple[str, ...]
     warm: tuple[str, ...]  # holders that answered "warm"
     failed: tuple[str, ...]  # holders that answered "failed: ..." (they load it on demand)
     seconds: float  # from staging to the last answer (or the timeout)
@@ -52,8 +50,8 @@ async def wait_for_holders(
 ) -> tuple[dict[str, str], float]:
     """The answers to the push of `ref` (replica id -> outcome, LOADING for one still loading) once the `holders`
     and any replica that answered LOADING (one the heartbeats did not list yet) gave a final answer or
-    `timeout_s` passed, and the seconds waited. With no holder listed, looks for such a replica for LATE_GRACE_S. Reads the answers at
-    growing intervals (POLL_S): a push takes ~0.1 s."""
+    `timeout_s` passed, and the seconds waited. With no holder listed, looks for such a replica for
+    LATE_GRACE_S. Reads the answers at growing intervals (POLL_S): a push takes ~0.1 s."""
     t0, pause = time.monotonic(), POLL_S[0]
     while True:
         answers = await asyncio.to_thread(catalog.warm_acks, ref)
