@@ -11,6 +11,8 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
+from loraland_kernels import fused
 
 from app.config.model_config import ATTN_MODULES, ModelConfig
 from app.errors import InvalidAdapter
@@ -101,13 +103,16 @@ def test_grouped_experts_equal_transformers_sparse_block(tokens, norm_topk):
     "kernels, kept",
     [(("onednn",), "onednn"), (("mkl",), "mkl"), (("aten",), "aten"), (("aten", "onednn"), "onednn")],
 )
-def test_prepacked_experts_follow_the_plain_ones(kernels, kept):
-    """Each expert's projections prepacked for the CPU GEMM kernels (the model's path): the plain (bit-exact)
-    block's output to fp32 rounding, at decode-like sizes (a row or two per expert, experts with none) and
-    prefill-like ones. One packing per expert: a plan that switches kernels keeps its kernel at DECODE_ROWS, and
-    the dense experts stay resident only where aten reads them."""
+def test_prepacked_experts_follow_the_plain_ones(kernels, kept, monkeypatch):
+    """Without the fused CPU ops, each expert's projections prepacked for the CPU GEMM kernels (the model's
+    path): the plain (bit-exact) block's output to fp32 rounding, at decode-like sizes (a row or two per expert,
+    experts with none) and prefill-like ones. One packing per expert: a plan that switches kernels keeps its
+    kernel at DECODE_ROWS, and the dense experts stay resident only where aten reads them."""
     from app.replica.linear import PackedLinear, Plan
+    from app.replica.models import moe as moe_mod
     from app.replica.models.moe import DECODE_ROWS
+
+    monkeypatch.setattr(moe_mod.fused, "enabled", lambda device: False)
 
     E, H, Im = 8, 48, 40
     torch.manual_seed(0)
@@ -122,6 +127,49 @@ def test_prepacked_experts_follow_the_plain_ones(kernels, kept):
     assert len(packed.packed) == 2 * E
     assert [t.shape for t in packed.dense] == ([gate_up.shape, down.shape] if kept == "aten" else [])
     assert [id(t) for t in plain.tensors()] == [id(router), id(plain.dense[0]), id(plain.dense[1])]
+
+
+needs_fused = pytest.mark.skipif(
+    not fused.enabled(torch.device("cpu")), reason="the fused CPU ops are not built here (no compiler)"
+)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_matmul_is_each_experts_linear(dtype):
+    """fused.expert_matmul: each span's rows times its expert's weights, as F.linear per expert in fp32 sums
+    (fp32 to rounding; bf16 to one bf16 rounding), for row counts 1-9 (the op's 4-row tiles and their rest),
+    experts with no rows, an inner size that is no multiple of the vector width, spans in any expert order."""
+    torch.manual_seed(0)
+    E, N, K = 6, 37, 53
+    w = (torch.randn(E, N, K) * 0.2).to(dtype)
+    counts = [3, 0, 9, 1, 4, 2]
+    x = torch.randn(sum(counts), K).to(dtype)
+    spans, s = [], 0
+    for e, n in zip([5, 0, 2, 1, 3, 4], counts):
+        spans.append((e, s, s + n))
+        s += n
+    out = fused.expert_matmul(x, w, torch.tensor(spans))
+    want = torch.cat([F.linear(x[a:b].float(), w[e].float()) for e, a, b in spans])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), want, **tol)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.expert_matmul(x, w, torch.tensor([(E, 0, 1)]))
+
+
+@needs_fused
+def test_fused_experts_follow_the_plain_ones():
+    """The model's path with the fused CPU ops: dense experts (no packing), a decode step's projections in one
+    op each, prefill per expert by aten; the plain block's output to fp32 rounding at decode and prefill sizes."""
+    from app.replica.linear import PackedLinear, Plan
+
+    router, gate_up, down = _block()
+    plain = MoE(router, gate_up, down, 3, True, "silu")
+    ours = MoE(router, gate_up, down, 3, True, "silu", lambda w, b: PackedLinear(w, b, Plan((0,), ("onednn",))))
+    assert ours.fused and not ours.packed and [id(t) for t in ours.tensors()] == [id(t) for t in plain.tensors()]
+    for tokens in (1, 2, 5, 40, 300):
+        x = torch.randn(tokens, 48)
+        torch.testing.assert_close(ours(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
 def _block(E=8, H=48, Im=24, seed=0):

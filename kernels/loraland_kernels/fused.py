@@ -71,3 +71,12 @@ def decode_attention_(
     torch.ops.loraland.decode_attention(
         q, kc, vc, decode_idx, block_tables, ctx_lens, window or 0, scale, out
     )
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """x [P, K] (rows sorted by expert), w [E, N, K], spans [S, 3] int64 (expert, first row, end row) ->
+    [P, N] with out[r] = x[r] @ w[e]^T for the rows of each span (rows in no span: left uninitialised). fp32 or
+    bf16; sums in fp32 in another order than a GEMM's (not bit-identical to F.linear)."""
+    out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype)
+    torch.ops.loraland.expert_matmul(x, w, spans, out)
+    return out

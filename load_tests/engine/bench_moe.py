@@ -352,7 +352,7 @@ def main() -> None:
         passes.append(
             {
                 "prompts": workload_w(a.requests, a.prompt_len, seed=r, vocab=shape["vocab_size"]),
-                "ids": [rng.choice(names) for _ in range(a.requests)],
+                "ids": [rng.choice(names) for _ in range(a.requests)] if names else None,
                 "experts": [rng.choice(list(experts)) for _ in range(a.requests)] if experts else None,
             }
         )

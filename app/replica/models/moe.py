@@ -17,10 +17,12 @@ pairs cut so no temporary reaches 64 MiB, see CHUNK_BYTES) the tokens are gather
 index_select, each expert's contiguous rows go through its gate_up and down projections, and the weighted rows are
 scattered back with one index_add_. The Python loop runs over the experts that got rows, never tokens.
 
-The expert projections are plain F.linear on the 3-D weights' slices (transformers' arithmetic, bit for bit) or,
-given `linear` (the model's GEMM factory, app/replica/linear.py), one PackedLinear per expert and projection,
-its weight prepacked at load (see _expert_linears for which kernel). A decode step reads every expert's weights
-for a few rows each, where the packed small-M kernel is 2x F.linear; prefill is compute-bound.
+The expert projections are plain F.linear on the 3-D weights' slices (transformers' arithmetic, bit for bit).
+Given `linear` (the model's GEMM factory, app/replica/linear.py) and the fused CPU ops built, a decode step's
+chunk (few rows per expert, every expert's weights read once) goes through fused.expert_matmul: one op per
+projection over all the chunk's experts, streaming the dense weights with software prefetch (22-26 GB/s);
+prefill stays per expert on aten (compute-bound, where that is as fast as anything). Given `linear` without the
+fused ops, one PackedLinear per expert and projection, prepacked at load (see _expert_linears).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from loraland_kernels import fused
 
 from app.replica.linear import PackedLinear, Plan
 from app.replica.models.norms import act_mul_
@@ -83,7 +86,14 @@ class MoE:
         self.num_experts, self.top_k, self.act = E, top_k, act
         self.on_route: RouteHook | None = None
         self.packed: list[PackedLinear] = []
-        if linear is None:
+        # the engine's path on CPU with the fused ops built: dense experts, a decode step's expert GEMMs in one
+        # op per projection (fused.expert_matmul), prefill's per expert by aten (as fast there as a packing)
+        self.fused = (
+            linear is not None
+            and gate_up.dtype in (torch.float32, torch.bfloat16)
+            and fused.enabled(gate_up.device)
+        )
+        if linear is None or self.fused:
             self.gate_up_runs = [_plain(gate_up[e]) for e in range(E)]
             self.down_runs = [_plain(down[e]) for e in range(E)]
             self.dense = [gate_up, down]
@@ -174,15 +184,29 @@ class MoE:
         """The gate_up GEMMs of every expert, then one activation over all the chunk's pairs, the down GEMMs,
         one weighting: two ops per expert (decode steps, where per-op costs add up), and the LoRA deltas of
         every expert's pairs together between the passes."""
-        gate_up, down = self.gate_up_runs, self.down_runs
-        gu = _cat([gate_up[e](xs[s - lo : t - lo]) for e, s, t in chunk])
+        spans = self._spans(chunk, lo) if self.fused and xs.shape[0] <= FEW_PAIRS else None
+        gu = self._project(0, xs, chunk, lo, spans)
         if lora is not None:
             lora.apply_experts(layer, "gate_up", xs, pair_expert[lo : lo + xs.shape[0]], pair_token, gu)
         ms = act_mul_(gu, self.act)
-        ys = _cat([down[e](ms[s - lo : t - lo]) for e, s, t in chunk])
+        ys = self._project(1, ms, chunk, lo, spans)
         if lora is not None:
             lora.apply_experts(layer, "down", ms, pair_expert[lo : lo + xs.shape[0]], pair_token, ys)
         return ys.mul_(ws[lo : lo + xs.shape[0]])
+
+    @staticmethod
+    def _spans(chunk: list[Span], lo: int) -> torch.Tensor:
+        return torch.tensor([(e, s - lo, t - lo) for e, s, t in chunk], dtype=torch.long)
+
+    def _project(
+        self, which: int, a: torch.Tensor, chunk: list[Span], lo: int, spans: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every chunk expert's gate_up (which 0) or down (1) projection of its rows of a: one fused op over all
+        of them (spans given: the dense weights streamed once) or one call per expert."""
+        if spans is not None:
+            return fused.expert_matmul(a, self.dense[which], spans)
+        runs = self.down_runs if which else self.gate_up_runs
+        return _cat([runs[e](a[s - lo : t - lo]) for e, s, t in chunk])
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
