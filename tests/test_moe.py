@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from loraland_kernels import fused
 
-from app.config.model_config import ATTN_MODULES, ModelConfig
+from app.config.model_config import ATTN_MODULES, LORA_MODULES, ModelConfig
 from app.errors import InvalidAdapter
 from app.replica.lora import pools
 from app.replica.lora.peft_format import read_adapter
@@ -279,7 +279,8 @@ def test_config_is_read_as_qwen3_moe(moe):
     assert (mc.family, mc.num_experts, mc.num_experts_per_tok) == ("qwen3_moe", 8, 2)
     assert mc.moe_intermediate_size == 32 and mc.norm_topk_prob and mc.qk_norm
     assert mc.moe_layers == (True, False, True)  # layer 1 is in mlp_only_layers
-    assert mc.lora_modules() == ATTN_MODULES
+    assert mc.lora_modules(0) == mc.lora_modules(2) == ATTN_MODULES  # sparse: the experts by target_parameters
+    assert mc.lora_modules(1) == LORA_MODULES  # the dense layer's gate/up/down_proj too
 
 
 def test_base_tokens_match_transformers_and_reach_every_expert(moe):
@@ -416,9 +417,10 @@ def _edited(src, dst, **changes):
 
 
 def test_mlp_modules_and_other_parameters_are_refused_by_name(moe):
-    """PEFT (0.21, transformers 5) turns every gate/up/down_proj target of a Qwen3-MoE into expert
-    target_parameters, so the dense layer's MLP (mlp_only_layers) never takes LoRA there: a config naming those
-    modules, or a raw parameter other than the experts' and the router's, is refused by name."""
+    """PEFT on transformers 5 turns gate/up/down_proj targets of a Qwen3-MoE into expert target_parameters (0.22
+    keeps them in target_modules too, for the dense layers' MLP): a config naming the experts or the router as
+    modules without that conversion (trained where experts were modules, transformers 4), or a raw parameter
+    other than the experts' and the router's, is refused by name."""
     root, model_dir, adapters, _ = moe
     mc = ModelConfig.from_folder(model_dir)
     good = adapters["attn-r8"]
@@ -453,12 +455,13 @@ def test_mlp_modules_and_other_parameters_are_refused_by_name(moe):
         # an adapter trained where experts were modules (transformers 4), or on the dense layer's MLP
         "mlp-modules": (
             _edited(good, root / "mlp-modules", target_modules=["q_proj", "down_proj"]),
-            r"matches model\.layers\.0\.mlp\.experts\.0\.down_proj: LoRA on a mixture-of-experts model's MLP "
-            r"modules .* through target_parameters",
+            r"matches model\.layers\.0\.mlp\.experts\.0\.down_proj: LoRA on a mixture-of-experts model's experts "
+            r"or router as modules .* through target_parameters",
         ),
         "router": (
             _edited(good, root / "router", target_modules=["q_proj", "gate"]),
-            r"matches model\.layers\.0\.mlp\.gate: .*attention LoRA \(q_proj, k_proj, v_proj, o_proj\) is served",
+            r"matches model\.layers\.0\.mlp\.gate: .*attention LoRA \(q_proj, k_proj, v_proj, o_proj\) and the dense "
+            r"layers. MLP are served",
         ),
         "experts-regex": (
             _edited(good, root / "experts-regex", target_modules=r".*\.(q_proj|experts\.\d+\.up_proj)"),

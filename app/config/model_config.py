@@ -107,11 +107,12 @@ class ModelConfig:
     def o_bias(self) -> bool:
         return self.attention_bias and self.family != "qwen2"
 
-    def lora_modules(self) -> tuple[str, ...]:
-        """The decoder linears of this checkpoint a PEFT adapter names (Phi-3: the fused ones). On an MoE model
-        only attention: the experts and the router take LoRA through target_parameters (app/replica/lora/
-        experts.py), and PEFT gives the dense layers' MLP none (it turns gate/up/down_proj into expert targets)."""
-        if self.is_moe:
+    def lora_modules(self, layer: int) -> tuple[str, ...]:
+        """The linears of decoder layer `layer` a PEFT adapter names (Phi-3: the fused ones). A sparse MoE layer's
+        MLP has none: its experts and router take LoRA through target_parameters (app/replica/lora/experts.py);
+        an MoE model's dense layers (mlp_only_layers) keep gate/up/down_proj, which PEFT >= 0.22 adapts beside
+        the experts when target_modules names them."""
+        if self.is_moe and self.moe_layers[layer]:
             return ATTN_MODULES
         return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if self.family == "phi3" else LORA_MODULES
 

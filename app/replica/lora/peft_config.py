@@ -164,9 +164,10 @@ def _check_regex(folder: Path, field: str, pattern: str, matched: str) -> None:
 
 def linear_names(model: ModelConfig) -> dict[str, tuple[int, str]]:
     """The base model's LoRA-able linears: full module name -> (layer, module)."""
-    mods = model.lora_modules()
     return {
-        f"model.layers.{i}.{model.block_of(m)}.{m}": (i, m) for i in range(model.num_layers) for m in mods
+        f"model.layers.{i}.{model.block_of(m)}.{m}": (i, m)
+        for i in range(model.num_layers)
+        for m in model.lora_modules(i)
     }
 
 
@@ -212,7 +213,8 @@ def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig, *, vocab_only
             hit_other = [n for n in hit_other if not _name_matches(exclude, n)]
     except re.error as e:
         raise refuse(folder, f"target_modules/exclude_modules is not a valid regex ({e})") from None
-    _refuse_moe_mlp(folder, wanted_mods, exclude, model)
+    converted = _expert_conversion(cfg, model)
+    _refuse_moe_mlp(folder, wanted_mods, exclude, model, converted)
     vocab = [n for n in hit_other if n.endswith(VOCAB_MODULES)]
     if vocab and cfg.get("use_dora"):
         raise refuse(
@@ -227,12 +229,13 @@ def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig, *, vocab_only
             "embed_tokens/lm_head have no layer index; not supported",
         )
     hit_other = [n for n in hit_other if n not in vocab]
+    experts = _moe_expert_names(model) if converted else []  # what PEFT's conversion made target_parameters
     unknown = hit_other or (
-        [t for t in wanted_mods if not any(_name_matches([t], n) for n in [*linear, *vocab])]
+        [t for t in wanted_mods if not any(_name_matches([t], n) for n in [*linear, *vocab, *experts])]
         if isinstance(wanted_mods, list)
         else []
     )
-    if unknown or not (hit_linear or vocab):
+    if unknown or not (hit_linear or vocab or converted):
         raise refuse(
             folder,
             f"target_modules={wanted_mods!r}: unknown target module {unknown[:3] or wanted_mods!r}; "
@@ -256,36 +259,42 @@ def targets(folder: Path, cfg: dict[str, Any], model: ModelConfig, *, vocab_only
                 f"layers_to_transform {bad} out of range: the base model has {model.num_layers} layers",
             )
         hit_linear = {n for n in hit_linear if linear[n][0] in layers}
-    if not hit_linear and not vocab:
+    if not hit_linear and not vocab and not converted:
         raise refuse(
             folder, "target_modules, exclude_modules and layers_to_transform leave no module to adapt"
         )
     return {linear[n] for n in hit_linear}
 
 
-def _moe_mlp_names(model: ModelConfig) -> list[str]:
-    """An MoE model's MLP module names as PEFT sees them: router and experts on sparse layers (per expert too, as
-    transformers 4 built them), gate/up/down on its dense layers."""
+def _moe_expert_names(model: ModelConfig) -> list[str]:
+    """A sparse MoE layer's MLP module names as PEFT sees them: the router, the experts, and each expert's
+    gate/up/down_proj (transformers 4 built those modules; transformers 5 fuses the experts into parameters)."""
     names = []
     for i, sparse in enumerate(model.moe_layers):
-        p = f"model.layers.{i}.mlp"
         if sparse:
+            p = f"model.layers.{i}.mlp"
             names += [f"{p}.gate", f"{p}.experts"]
             names += [f"{p}.experts.{e}.{m}" for e in range(model.num_experts) for m in MLP_MODULES]
-        else:
-            names += [f"{p}.{m}" for m in MLP_MODULES]
     return names
 
 
-def _refuse_moe_mlp(folder: Path, wanted: str | list[str], exclude: Any, model: ModelConfig) -> None:
-    """On a mixture-of-experts model only attention takes LoRA: a target on the experts, the router or the MLP
-    of its dense layers is refused by name rather than reported as an unknown module."""
-    if not model.is_moe:
+def _expert_conversion(cfg: dict[str, Any], model: ModelConfig) -> bool:
+    """PEFT >= 0.22 on transformers 5 keeps target_modules' gate/up/down_proj and adds the fused experts to
+    target_parameters: those names then adapt the experts (and any dense layer's MLP), not per-expert modules."""
+    return model.is_moe and bool(cfg.get("target_parameters"))
+
+
+def _refuse_moe_mlp(
+    folder: Path, wanted: str | list[str], exclude: Any, model: ModelConfig, converted: bool
+) -> None:
+    """On a mixture-of-experts model a target_modules entry on the experts or the router is refused by name
+    rather than reported as an unknown module (unless PEFT turned the experts' names into target_parameters)."""
+    if not model.is_moe or converted:
         return
     hit = next(
         (
             n
-            for n in _moe_mlp_names(model)
+            for n in _moe_expert_names(model)
             if _name_matches(wanted, n) and not (exclude and _name_matches(exclude, n))
         ),
         None,
@@ -293,9 +302,9 @@ def _refuse_moe_mlp(folder: Path, wanted: str | list[str], exclude: Any, model: 
     if hit is not None:
         raise refuse(
             folder,
-            f"target_modules={wanted!r} matches {hit}: LoRA on a mixture-of-experts model's MLP modules (experts, "
-            f"router 'gate', dense gate/up/down_proj) is not supported; attention LoRA ({', '.join(ATTN_MODULES)}) "
-            "is served, and the experts' fused weights and the router through target_parameters "
+            f"target_modules={wanted!r} matches {hit}: LoRA on a mixture-of-experts model's experts or router as "
+            f"modules is not supported; attention LoRA ({', '.join(ATTN_MODULES)}) and the dense layers' MLP are "
+            "served, and the experts' fused weights and the router through target_parameters "
             "(mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight: what PEFT makes of these targets "
             "on transformers 5)",
         )
