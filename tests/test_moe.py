@@ -398,6 +398,12 @@ def test_expert_lora_is_read_in_pefts_layout(moe):
     assert sorted(lw.expert_tensors) == [(0, "down"), (0, "gate_up"), (2, "down"), (2, "gate_up")]
     assert lw.expert_tensors[(0, "gate_up")][0].shape == (8, 64, 6)  # rank_pattern doubles gate_up_proj's
     assert lw.expert_tensors[(0, "down")][1].shape == (8, 3, 64)
+    import peft as peft_pkg
+    from packaging.version import Version
+
+    if Version(peft_pkg.__version__) >= Version("0.22"):  # it adapts the dense layer's MLP (layer 1) too, at r
+        assert sorted(lw.tensors) == [(1, "down_proj"), (1, "gate_proj"), (1, "up_proj")]
+        assert lw.tensors[(1, "gate_proj")][0].shape[0] == 3
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft = PeftModel.from_pretrained(base, adapters["ex-mlp-r3"])
     wrapper = peft.base_model.model.model.layers[2].mlp.experts  # down_proj wraps gate_up_proj's wrapper
