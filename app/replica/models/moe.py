@@ -182,8 +182,9 @@ class MoE:
         pair_token: torch.Tensor,
     ) -> torch.Tensor:
         """The gate_up GEMMs of every expert, then one activation over all the chunk's pairs, the down GEMMs,
-        one weighting: two ops per expert (decode steps, where per-op costs add up), and the LoRA deltas of
-        every expert's pairs together between the passes."""
+        one weighting (decode steps, where per-op costs add up): with the fused ops one op per projection for
+        all the chunk's experts, else two per expert; the LoRA deltas of every expert's pairs together between
+        the passes."""
         spans = self._spans(chunk, lo) if self.fused and xs.shape[0] <= FEW_PAIRS else None
         gu = self._project(0, xs, chunk, lo, spans)
         if lora is not None:
