@@ -72,10 +72,14 @@ def test_rope_and_cache_write(dtype, rot_half):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("d", [64, 72, 36])  # the AVX2 path's 64-column blocks and 8-column rest; the generic one
-def test_decode_attention_reads_only_live_slots(dtype, window, d):
+# d: AVX512's 64-column blocks (AVX2's where AVX512 is not built); 16-column rest (AVX2's 8-column one there);
+# AVX2's path on an AVX512 machine; the generic loops
+@pytest.mark.parametrize("d", [64, 80, 72, 36])
+# query heads per KV head: 4 (one AVX512 tile), 3, 6 (tiles of 4 and 2), 1
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3), (12, 2), (4, 4)])
+def test_decode_attention_reads_only_live_slots(dtype, window, d, heads):
     torch.manual_seed(3)
-    H, Hkv, bs, nblocks = 8, 2, 4, 40
+    (H, Hkv), bs, nblocks = heads, 4, 40
     kc = torch.randn(nblocks, bs, Hkv, d, dtype=dtype)
     vc = torch.randn(nblocks, bs, Hkv, d, dtype=dtype)
     lens = torch.tensor([1, 7, 16, 13])

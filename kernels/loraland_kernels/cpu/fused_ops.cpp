@@ -80,6 +80,37 @@ inline void silu_vector(float* x, int64_t n, int lanes) {
   for (int64_t i = 0; i < n; ++i) x[i] = silu_scalar(x[i]);
 }
 
+#if defined(__AVX2__)
+// eight values as fp32 from fp32 or bf16 memory (bf16 is the top half of an fp32: widened by a shift)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+// the sums of four vectors, as four lanes: two rounds of horizontal adds
+inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// a 16-lane vector folded to 8 lanes with the same total
+inline __m256 fold16(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
 // q . k for attention scores: one vector FMA chain where AVX2 is built (attention is not bit-matched to torch:
 // its reductions run in another order anyway), the portable sum otherwise
 inline float dot_fast(const float* a, const float* b, int64_t n) {
@@ -87,10 +118,7 @@ inline float dot_fast(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  float s = _mm_cvtss_f32(lo);
+  float s = hsum8(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 #else
@@ -121,31 +149,37 @@ inline float exp_shifted(float* x, int64_t n, float m) {
   return total;
 }
 
+inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
 #if defined(__AVX2__)
-// out[i] = (q . (rows[i] + off)) * sc for n rows of d floats (d % 8 == 0): four rows at a time, four independent
-// FMA chains, their sums folded together by two horizontal adds
-inline void scores_avx2(const float* q, const float* const* rows, int64_t off, int64_t n, int64_t d, float sc,
+// out[i] = (q . (rows[i] + off)) * sc for n rows of d values (fp32 or bf16, d % 8 == 0): four rows at a time,
+// four independent FMA chains, their sums folded together by two horizontal adds
+template <typename T>
+inline void scores_avx2(const float* q, const T* const* rows, int64_t off, int64_t n, int64_t d, float sc,
                         float* out) {
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const float *r0 = rows[i] + off, *r1 = rows[i + 1] + off, *r2 = rows[i + 2] + off, *r3 = rows[i + 3] + off;
+    const T *r0 = rows[i] + off, *r1 = rows[i + 1] + off, *r2 = rows[i + 2] + off, *r3 = rows[i + 3] + off;
     for (int64_t j = 0; j < d; j += 8) {
       const __m256 qv = _mm256_loadu_ps(q + j);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + j), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r1 + j), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r2 + j), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r3 + j), a3);
+      a0 = _mm256_fmadd_ps(qv, load8(r0 + j), a0);
+      a1 = _mm256_fmadd_ps(qv, load8(r1 + j), a1);
+      a2 = _mm256_fmadd_ps(qv, load8(r2 + j), a2);
+      a3 = _mm256_fmadd_ps(qv, load8(r3 + j), a3);
     }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    _mm_storeu_ps(out + i, _mm_mul_ps(r, _mm_set1_ps(sc)));
+    _mm_storeu_ps(out + i, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), _mm_set1_ps(sc)));
   }
-  for (; i < n; ++i) out[i] = dot_fast(q, rows[i] + off, d) * sc;
+  for (; i < n; ++i) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(rows[i] + off + j), a);
+    out[i] = hsum8(a) * sc;
+  }
 }
 
-// out[0:d) = sum_i p[i] * (rows[i] + off)[0:d) (d % 8 == 0), 64 columns at a time in eight registers
-inline void weighted_rows_avx2(const float* p, const float* const* rows, int64_t off, int64_t n, int64_t d,
+// out[0:d) = sum_i p[i] * (rows[i] + off)[0:d) (fp32 or bf16 rows, d % 8 == 0), 64 columns at a time in eight registers
+template <typename T>
+inline void weighted_rows_avx2(const float* p, const T* const* rows, int64_t off, int64_t n, int64_t d,
                                float* out) {
   int64_t j0 = 0;
   for (; j0 + 64 <= d; j0 += 64) {
@@ -153,18 +187,107 @@ inline void weighted_rows_avx2(const float* p, const float* const* rows, int64_t
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
       const __m256 pv = _mm256_set1_ps(p[i]);
-      const float* r = rows[i] + off + j0;
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(r + 8 * c), acc[c]);
+      const T* r = rows[i] + off + j0;
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pv, load8(r + 8 * c), acc[c]);
     }
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + j0 + 8 * c, acc[c]);
   }
   for (; j0 < d; j0 += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(rows[i] + off + j0), acc);
+    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(rows[i] + off + j0), acc);
     _mm256_storeu_ps(out + j0, acc);
   }
 }
 #endif
+
+#if defined(__AVX512F__)
+// The query heads that share a KV head (GQA), G <= 4 of them at once: each cached slot's slice is loaded (and
+// widened, for bf16) once for all G. q: the G heads' queries, fp32, one after another; d % 16 == 0; per head g,
+// its n scores (then probabilities) are s[g * n + i].
+
+// s[g * n + i] = (q_g . (rows[i] + off)) * sc, four slots at a time
+template <int G, typename T>
+inline void group_scores512(const float* q, const T* const* rows, int64_t off, int64_t n, int64_t d, float sc,
+                            float* s) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    __m512 acc[G][4];
+    for (auto& a : acc)
+      for (auto& v : a) v = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) {
+      __m512 k[4];
+      for (int r = 0; r < 4; ++r) k[r] = load16(rows[i + r] + off + j);
+      for (int g = 0; g < G; ++g) {
+        const __m512 qv = _mm512_loadu_ps(q + g * d + j);
+        for (int r = 0; r < 4; ++r) acc[g][r] = _mm512_fmadd_ps(qv, k[r], acc[g][r]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m128 sums = hsum8x4(fold16(acc[g][0]), fold16(acc[g][1]), fold16(acc[g][2]), fold16(acc[g][3]));
+      _mm_storeu_ps(s + g * n + i, _mm_mul_ps(sums, _mm_set1_ps(sc)));
+    }
+  }
+  for (; i < n; ++i) {
+    __m512 acc[G];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) {
+      const __m512 k = load16(rows[i] + off + j);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + j), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) s[g * n + i] = _mm512_reduce_add_ps(acc[g]) * sc;
+  }
+}
+
+// out[g * d + c] = sum_i p[g * n + i] * (rows[i] + off)[c] for the 16 * C columns c from out's start
+template <int G, int C, typename T>
+inline void group_weighted_cols512(const float* p, const T* const* rows, int64_t off, int64_t n, int64_t d,
+                                   float* out) {
+  __m512 acc[G][C];
+  for (auto& a : acc)
+    for (auto& v : a) v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(rows[i] + off + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pv = _mm512_set1_ps(p[g * n + i]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pv, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * d + 16 * c, acc[g][c]);
+}
+
+// attention of G query heads over one KV head's slices (at off): scores, softmax, the weighted sum of values,
+// each head's d outputs written as T (s: G * n floats of scratch, acc: G * d)
+template <int G, typename T>
+inline void group_attention512(const float* q, const T* const* krows, const T* const* vrows, int64_t off, int64_t n,
+                               int64_t d, float sc, float* s, float* acc, T* o) {
+  group_scores512<G>(q, krows, off, n, d, sc, s);
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * n;
+    inv[g] = 1.f / exp_shifted(sg, n, *std::max_element(sg, sg + n));
+  }
+  int64_t j = 0;  // 64 columns per pass over the slots, then 16
+  for (; j + 64 <= d; j += 64) group_weighted_cols512<G, 4>(s, vrows, off + j, n, d, acc + j);
+  for (; j < d; j += 16) group_weighted_cols512<G, 1>(s, vrows, off + j, n, d, acc + j);
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < d; ++c) o[g * d + c] = static_cast<T>(acc[g * d + c] * inv[g]);
+}
+#endif
+
+// Every cache line of n cached slots (`bytes` each) read once, back to back, before the attention math reads them
+// again: these loads wait on nothing, so the core keeps many misses in flight, where the math's own loads, queued
+// behind its FMA chains, kept few (a decode row's slots sit in blocks scattered over the cache). Measured on a
+// 2-core Zen 4 VM, bf16, SmolLM2's shape, 64 rows: the op read its cache at 7 GB/s without this pass and 11-12
+// with it; prefetch instructions a chunk of slots ahead, at any distance tried, did not help there.
+template <typename T>
+inline void touch(const T* const* rows, int64_t n, int64_t bytes) {
+  for (int64_t r = 0; r < n; ++r) {
+    const volatile char* p = reinterpret_cast<const volatile char*>(rows[r]);
+    for (int64_t b = 0; b < bytes; b += 64) static_cast<void>(p[b]);
+  }
+}
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -201,8 +324,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   constexpr bool is_float = std::is_same<T, float>::value;
+  constexpr bool vector_kv = is_float || std::is_same<T, c10::BFloat16>::value;  // the AVX2 kernels read these
   const int64_t kv = Hkv * d;  // one slot's keys (or values) of every KV head: contiguous
-  // one task per decode row, all its heads together, so each cached slot is read once, front to back
+  // one task per decode row, all its heads together: its slots are read from memory once, then from cache
   at::parallel_for(0, Bd, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * d), rowf(kv), acc(H * d), scores, m(H), z(H);
     auto slot_of = [&](const T* base, int64_t slot) -> const float* {
@@ -211,7 +335,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       to_float(r, rowf.data(), kv);
       return rowf.data();
     };
-    std::vector<const float*> krows, vrows;
+    std::vector<const T*> krows, vrows;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t row = idx[b], len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
@@ -219,16 +343,36 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       to_float(qp + row * q_row, qf.data(), H * d);
       scores.resize(H * n);
 #if defined(__AVX2__)
-      if constexpr (is_float) {
-        if (d % 8 == 0) {  // fp32: per head, its scores then its weighted sum of values, straight from the cache
+      if constexpr (vector_kv) {
+        if (d % 8 == 0) {  // per head, its scores then its weighted sum of values, straight from the cache
           krows.resize(n);
           vrows.resize(n);
           for (int64_t t = start; t < len; ++t) {
             const int64_t slot = table[t / bs] * bs + t % bs;
-            krows[t - start] = reinterpret_cast<const float*>(kp + slot * kv);
-            vrows[t - start] = reinterpret_cast<const float*>(vp + slot * kv);
+            krows[t - start] = kp + slot * kv;
+            vrows[t - start] = vp + slot * kv;
           }
           T* o = op + row * out_row;
+          touch(krows.data(), n, kv * static_cast<int64_t>(sizeof(T)));
+          touch(vrows.data(), n, kv * static_cast<int64_t>(sizeof(T)));
+#if defined(__AVX512F__)
+          if (d % 16 == 0) {  // query head h reads KV head h / group (HF's repeat_kv): the group's heads together
+            for (int64_t h = 0; h < H;) {
+              const int64_t g = std::min<int64_t>(4, (h / group + 1) * group - h), off = (h / group) * d;
+              const float* qh = &qf[h * d];
+              float *sh = &scores[h * n], *a = &acc[h * d];
+              T* oh = o + h * d;
+              switch (g) {
+                case 4: group_attention512<4>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
+                case 3: group_attention512<3>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
+                case 2: group_attention512<2>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
+                default: group_attention512<1>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh);
+              }
+              h += g;
+            }
+            continue;
+          }
+#endif
           for (int64_t h = 0; h < H; ++h) {  // query head h reads KV head h / group (HF's repeat_kv)
             float* sh = &scores[h * n];
             const int64_t off = (h / group) * d;
@@ -453,29 +597,7 @@ void silu_mul(const at::Tensor& gate_up, int64_t vec_bytes, const at::Tensor& ou
 // two cores (the op measured 18 GB/s without it, 22-26 GB/s with it, on a 2-core Zen 4 that reads 25 GB/s)
 constexpr int64_t kAhead = 4;
 
-inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
-
 // res[j] = w . x_j for the M token rows x_j (x + j * K), w of type W (float or bf16), sums in fp32
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#elif defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-#endif
-
 template <int M, typename W>
 inline void row_dots(const W* w, const float* x, int64_t K, float* res) {
   int64_t k = 0;
@@ -483,6 +605,7 @@ inline void row_dots(const W* w, const float* x, int64_t K, float* res) {
   __m512 a[M];
   for (int j = 0; j < M; ++j) a[j] = _mm512_setzero_ps();
   for (; k + 16 <= K; k += 16) {
+    prefetch(w + kAhead * K + k);
     const __m512 wv = load16(w + k);
     for (int j = 0; j < M; ++j) a[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * K + k), a[j]);
   }
