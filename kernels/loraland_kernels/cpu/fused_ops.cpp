@@ -289,9 +289,90 @@ inline void touch(const T* const* rows, int64_t n, int64_t bytes) {
   }
 }
 
+// ---- elementwise vectors: fp32 lanes, loaded from and stored to T, rounded as torch rounds T -------------------
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+struct Vec {
+  using R = __m512;
+  static constexpr int64_t lanes = 16;
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static R load(const c10::BFloat16* p) { return load16(p); }
+  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  // v rounded to bf16 (to nearest, ties to even; NaN to torch's quiet NaN), still in fp32 lanes
+  static R round_bf16(R v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                       _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+  }
+  static void store(c10::BFloat16* p, R v) {  // v already rounded: its top halves
+    const __m512i u = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(u));
+  }
+};
+#else
+struct Vec {
+  using R = __m256;
+  static constexpr int64_t lanes = 8;
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static R load(const c10::BFloat16* p) { return load8(p); }
+  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R round_bf16(R v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                                       _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+  }
+  static void store(c10::BFloat16* p, R v) {
+    const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+};
+#endif
+// the value v would have once stored as T (fp32: itself)
+template <typename T>
+inline Vec::R rounded(Vec::R v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else return Vec::round_bf16(v);
+}
+template <typename T>
+constexpr bool kVectorT = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
+#else
+template <typename T>
+constexpr bool kVectorT = false;
+#endif
+
+// the first `done` of n elements that the vector loops below cover (the rest run scalar)
+template <typename T>
+inline int64_t vector_part(int64_t n) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if constexpr (kVectorT<T>) return n - n % Vec::lanes;
+#endif
+  return 0;
+}
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
+  int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if constexpr (kVectorT<T>)
+    for (; i < vector_part<T>(n); i += Vec::lanes) Vec::store(dst + i, Vec::load(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = f32(src[i]);
 }
 
 // rows per task of at::parallel_for for rows of `width` elements: about torch's own grain (32k elements), so that
@@ -456,7 +537,19 @@ void rope_cache_impl(const at::Tensor& qkv, int64_t H, int64_t Hkv, int64_t d, c
       for (int64_t h = 0; h < H + Hkv; ++h) {
         T* x1 = r + h * d;
         T* x2 = x1 + half;
-        for (int64_t j = 0; j < half; ++j) {
+        int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        if constexpr (kVectorT<T>) {
+          for (; j < vector_part<T>(half); j += Vec::lanes) {
+            const auto u1 = Vec::load(x1 + j), u2 = Vec::load(x2 + j), cv = Vec::load(c + j), sv = Vec::load(s + j);
+            const auto a1 = rounded<T>(Vec::mul(u1, cv)), b1 = rounded<T>(Vec::mul(u2, sv));
+            const auto a2 = rounded<T>(Vec::mul(u2, cv)), b2 = rounded<T>(Vec::mul(u1, sv));
+            Vec::store(x1 + j, Vec::sub(a1, b1));
+            Vec::store(x2 + j, Vec::add(a2, b2));
+          }
+        }
+#endif
+        for (; j < half; ++j) {
           // HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to T
           const T a1 = static_cast<T>(f32(x1[j]) * f32(c[j])), b1 = static_cast<T>(f32(x2[j]) * f32(s[j]));
           const T a2 = static_cast<T>(f32(x2[j]) * f32(c[j])), b2 = static_cast<T>(f32(x1[j]) * f32(s[j]));
@@ -504,10 +597,21 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, bool add, co
   at::parallel_for(0, N, grain(2 * n), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(n);
     for (int64_t i = begin; i < end; ++i) {
+      constexpr bool vector = kVectorT<T> && kVectorT<W>;
+      const int64_t done = vector ? vector_part<T>(n) : 0;  // elements the vector loops cover
       if (add) {
         T* r = rp + i * rs;
         const T* dx = xp + i * xs;
-        for (int64_t j = 0; j < n; ++j) {
+        int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        if constexpr (vector)
+          for (; j < done; j += Vec::lanes) {
+            const auto sum = rounded<T>(Vec::add(Vec::load(r + j), Vec::load(dx + j)));
+            Vec::store(r + j, sum);
+            Vec::store(buf.data() + j, sum);
+          }
+#endif
+        for (; j < n; ++j) {
           r[j] = static_cast<T>(f32(r[j]) + f32(dx[j]));
           buf[j] = f32(r[j]);
         }
@@ -516,10 +620,20 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, bool add, co
       }
       const float inv = 1.f / std::sqrt(sum_squares(buf.data(), n) / static_cast<float>(n) + e);
       T* o = op + i * os;
+      int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+      if constexpr (vector) {
+        const auto iv = Vec::set1(inv);
+        for (; j < done; j += Vec::lanes) {
+          const auto xv = Vec::load(buf.data() + j), wv = Vec::load(wp + j);
+          Vec::store(o + j, gemma ? Vec::mul(Vec::mul(xv, iv), wv) : Vec::mul(wv, rounded<T>(Vec::mul(xv, iv))));
+        }
+      }
+#endif
       if (gemma) {
-        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(buf[j] * inv * f32(wp[j]));
+        for (; j < n; ++j) o[j] = static_cast<T>(buf[j] * inv * f32(wp[j]));
       } else {
-        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(f32(wp[j]) * f32(static_cast<T>(buf[j] * inv)));
+        for (; j < n; ++j) o[j] = static_cast<T>(f32(wp[j]) * f32(static_cast<T>(buf[j] * inv)));
       }
     }
   });
@@ -564,7 +678,13 @@ void silu_mul_impl(const at::Tensor& gu, int64_t vec_bytes, const at::Tensor& ou
       to_float(g, a.data(), I);
       silu_vector(a.data(), bulk, lanes);
       for (int64_t j = bulk; j < I; ++j) a[j] = silu_scalar(a[j]);
-      for (int64_t j = 0; j < I; ++j) o[j] = static_cast<T>(f32(static_cast<T>(a[j])) * f32(u[j]));
+      int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+      if constexpr (kVectorT<T>)
+        for (; j < vector_part<T>(I); j += Vec::lanes)
+          Vec::store(o + j, Vec::mul(rounded<T>(Vec::load(a.data() + j)), Vec::load(u + j)));
+#endif
+      for (; j < I; ++j) o[j] = static_cast<T>(f32(static_cast<T>(a[j])) * f32(u[j]));
     }
   });
 }
