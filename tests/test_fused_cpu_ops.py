@@ -116,3 +116,21 @@ def test_the_library_can_be_turned_off():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "LORALAND_FUSED_CPU=0" in r.stdout
+
+
+@pytest.mark.parametrize("V", [49152, 37, 16, 1])
+def test_greedy_rows_is_torch_argmax_and_flags_exactly_the_non_finite_rows(V):
+    torch.manual_seed(4)
+    x = torch.randn(12, V)
+    x[1, 5 % V] = x[1, 3 % V] = float("nan")  # NaN is the maximum for torch.argmax: its first one
+    x[2, 7 % V] = float("inf")
+    x[3, :] = -float("inf")
+    x[4, 11 % V] = -float("inf")
+    x[5] = 0.0  # all tied: index 0
+    x[6, V // 2] = x[6].max() + 1
+    x[6, V - 1] = x[6, V // 2]  # a tie: the first wins
+    x[7, V - 1] = float("nan")
+    x[8] = torch.full((V,), 3e38)  # finite, though the row's sum is not
+    out = fused.greedy_rows(x)
+    assert torch.equal(out[:, 0], x.argmax(-1))
+    assert torch.equal(out[:, 1].bool(), ~torch.isfinite(x).all(-1))

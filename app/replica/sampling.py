@@ -22,6 +22,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
+from loraland_kernels import fused
 
 from app.errors import InvalidRequest
 from app.replica.grammar import mask_rows
@@ -71,11 +72,15 @@ def sample_with_logprobs(
         if histories is None:
             raise ValueError("penalties, logit_bias and min_tokens need each row's token history")
         sub, top, bad = _processed(raw, proc, params, states, histories, stop_ids)
-    # A row sum is inf/NaN if any of its logits is (argmax of a NaN row is garbage, so greedy rows count too):
-    # one cheap pass over the whole tensor, one transfer with the argmax. Only the rows it flags are checked
-    # element by element (a finite row's sum can overflow).
-    flag = ~torch.isfinite(raw.sum(dim=-1))
-    head = torch.stack((raw.argmax(dim=-1), flag.long())).tolist()
+    # A row with an inf/NaN logit fails alone (argmax of a NaN row is garbage, so greedy rows count too). The fused
+    # op finds each row's argmax and flags those rows in one pass; the torch path flags rows whose sum is not
+    # finite, in one more pass. Either way one transfer, and only the flagged rows are checked element by element
+    # (a finite row's sum can overflow).
+    if fused.enabled(raw.device) and raw.stride(-1) == 1:  # one pass over the logits for both
+        head = fused.greedy_rows(raw).T.tolist()
+    else:
+        flag = ~torch.isfinite(raw.sum(dim=-1))
+        head = torch.stack((raw.argmax(dim=-1), flag.long())).tolist()
     out: list[int | Exception] = list(head[0])
     if sub is not None:  # processed rows: their argmax is the processed logits'
         for i, t in zip(proc, top):

@@ -80,3 +80,10 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, spans: torch.Tensor) -> torc
     out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype)
     torch.ops.loraland.expert_matmul(x, w, spans, out)
     return out
+
+
+def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] fp32 -> [n, 2] int64: each row's torch.argmax index and 1 where the row holds inf or NaN."""
+    out = torch.empty(logits.shape[0], 2, dtype=torch.long)
+    torch.ops.loraland.greedy_rows(logits, out)
+    return out

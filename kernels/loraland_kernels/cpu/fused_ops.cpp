@@ -706,6 +706,54 @@ void silu_mul(const at::Tensor& gate_up, int64_t vec_bytes, const at::Tensor& ou
   });
 }
 
+// ---- greedy sampling: each row's argmax and whether the row holds inf or NaN -------------------------------
+
+// logits [n, V] fp32 (rows contiguous) -> out [n, 2] int64: torch.argmax's index (the first maximum; a NaN counts
+// as the maximum, its first one wins) and 1 if the row holds a non-finite value, else 0. One read of the logits
+// for the maximum and the flag, then a scan (from cache) for the first index that holds it.
+void greedy_rows(const at::Tensor& logits, const at::Tensor& out) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat, "logits [n, V] fp32");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == logits.size(0) && out.size(1) == 2 && out.is_contiguous() &&
+                  out.scalar_type() == at::kLong, "out [n, 2] int64");
+  TORCH_CHECK(logits.size(1) > 0, "greedy_rows: empty rows");
+  const int64_t n = logits.size(0), V = logits.size(1), ls = logits.stride(0);
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * ls;
+      float mx = -std::numeric_limits<float>::infinity();
+      bool nan = false, nonfinite = false;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      __m512 m = _mm512_set1_ps(mx);
+      __mmask16 bad = 0;
+      const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+      for (; j + 16 <= V; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        m = _mm512_max_ps(m, v);
+        // |v| == inf, or v unordered (NaN): not (|v| < inf)
+        bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_NLT_UQ);
+      }
+      mx = _mm512_reduce_max_ps(m);
+      nonfinite = bad != 0;
+#endif
+      for (; j < V; ++j) {
+        mx = std::max(mx, x[j]);
+        nonfinite = nonfinite || !std::isfinite(x[j]);
+      }
+      if (nonfinite)
+        for (int64_t i = 0; i < V && !nan; ++i) nan = std::isnan(x[i]);
+      int64_t at = 0;
+      for (; at < V; ++at)
+        if (nan ? std::isnan(x[at]) : x[at] == mx) break;
+      op[2 * r] = at;
+      op[2 * r + 1] = nonfinite ? 1 : 0;
+    }
+  });
+}
+
 // ---- the expert GEMMs of a decode step -------------------------------------------------------------------
 
 // A decode step sends a few rows to each of many experts: every expert's weights are read once from memory for a
@@ -863,4 +911,5 @@ TORCH_LIBRARY(loraland, m) {
   m.def("rms_norm", rms_norm);
   m.def("silu_mul", silu_mul);
   m.def("expert_matmul", expert_matmul);
+  m.def("greedy_rows", greedy_rows);
 }
