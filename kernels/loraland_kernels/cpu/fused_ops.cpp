@@ -80,6 +80,10 @@ inline void silu_vector(float* x, int64_t n, int lanes) {
   for (int64_t i = 0; i < n; ++i) x[i] = silu_scalar(x[i]);
 }
 
+// the element types the vector loads below read (and the vector paths take); fp16 runs the scalar loops
+template <typename T>
+constexpr bool kVectorT = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
+
 #if defined(__AVX2__)
 // eight values as fp32 from fp32 or bf16 memory (bf16 is the top half of an fp32: widened by a shift)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -312,7 +316,7 @@ struct Vec {
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
   }
-  static void store(c10::BFloat16* p, R v) {  // v already rounded: its top halves
+  static void store(c10::BFloat16* p, R v) {  // v rounded to bf16 here, then its top halves stored
     const __m512i u = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(u));
   }
@@ -349,11 +353,6 @@ inline Vec::R rounded(Vec::R v) {
   if constexpr (std::is_same<T, float>::value) return v;
   else return Vec::round_bf16(v);
 }
-template <typename T>
-constexpr bool kVectorT = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
-#else
-template <typename T>
-constexpr bool kVectorT = false;
 #endif
 
 // the first `done` of n elements that the vector loops below cover (the rest run scalar)
@@ -405,7 +404,6 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   constexpr bool is_float = std::is_same<T, float>::value;
-  constexpr bool vector_kv = is_float || std::is_same<T, c10::BFloat16>::value;  // the AVX2 kernels read these
   const int64_t kv = Hkv * d;  // one slot's keys (or values) of every KV head: contiguous
   // one task per decode row, all its heads together: its slots are read from memory once, then from cache
   at::parallel_for(0, Bd, 1, [&](int64_t begin, int64_t end) {
@@ -424,7 +422,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       to_float(qp + row * q_row, qf.data(), H * d);
       scores.resize(H * n);
 #if defined(__AVX2__)
-      if constexpr (vector_kv) {
+      if constexpr (kVectorT<T>) {
         if (d % 8 == 0) {  // per head, its scores then its weighted sum of values, straight from the cache
           krows.resize(n);
           vrows.resize(n);
@@ -746,6 +744,18 @@ void greedy_rows(const at::Tensor& logits, const at::Tensor& out) {
       if (nonfinite)
         for (int64_t i = 0; i < V && !nan; ++i) nan = std::isnan(x[i]);
       int64_t at = 0;
+#if defined(__AVX512F__)
+      if (!nan) {  // the first lane equal to the maximum, 16 at a time
+        const __m512 mv = _mm512_set1_ps(mx);
+        for (; at + 16 <= V; at += 16) {
+          const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), mv, _CMP_EQ_OQ);
+          if (hit) {
+            at += __builtin_ctz(hit);
+            break;
+          }
+        }
+      }
+#endif
       for (; at < V; ++at)
         if (nan ? std::isnan(x[at]) : x[at] == mx) break;
       op[2 * r] = at;
