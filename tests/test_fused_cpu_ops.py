@@ -134,3 +134,33 @@ def test_greedy_rows_is_torch_argmax_and_flags_exactly_the_non_finite_rows(V):
     out = fused.greedy_rows(x)
     assert torch.equal(out[:, 0], x.argmax(-1))
     assert torch.equal(out[:, 1].bool(), ~torch.isfinite(x).all(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# a fused q,v shrink, an expand, rank-8 shrinks (the two-rows-per-vector path), odd sizes
+@pytest.mark.parametrize("n, m", [(576, 48), (16, 576), (1024, 8), (33, 8), (7, 45), (33, 16), (1, 3)])
+def test_segment_matmul_is_each_slots_matmul(dtype, n, m):
+    """fused.segment_matmul: each span's rows times its slot's factors (fp32 sums), over spans of 1..9 rows (tiles
+    of four and their rest), a strided a (a column slice of a fused shrink's z), slots in any order."""
+    torch.manual_seed(5)
+    S = 12
+    w = torch.randn(S, n, m, dtype=dtype) / n**0.5
+    lens, slots = [1, 9, 4, 2, 5, 3, 1], [3, 0, 11, 3, 7, 5, 10]
+    P = sum(lens)
+    a = torch.randn(P, n + 5, dtype=dtype)[:, 2 : 2 + n]
+    ends = torch.tensor(lens).cumsum(0)
+    spans = torch.stack([torch.tensor(slots), ends - torch.tensor(lens), ends], 1)
+    out = fused.segment_matmul(a, w, spans)
+    ref = torch.cat([a[s:e].float() @ w[slot].float() for slot, s, e in spans.tolist()])
+    _close(out, ref.to(dtype), dtype, ulps=1e-5)
+    # a row's answer does not depend on the rows around it (the same sums in the same order)
+    alone = torch.cat([fused.segment_matmul(a[t : t + 1], w, torch.tensor([[slot, 0, 1]])) for slot, s, e in
+                       spans.tolist() for t in range(s, e)])  # fmt: skip
+    assert torch.equal(out, alone)
+
+
+def test_segment_matmul_refuses_spans_that_do_not_tile_the_rows():
+    w, a = torch.randn(4, 8, 16), torch.randn(5, 8)
+    for bad in ([[0, 0, 2], [1, 3, 5]], [[0, 0, 2], [1, 2, 4]], [[4, 0, 5]], [[0, 1, 5]]):
+        with pytest.raises(RuntimeError, match="segment_matmul"):
+            fused.segment_matmul(a, w, torch.tensor(bad))

@@ -22,7 +22,7 @@ from loraland_kernels import reference as R  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 POPULARITY = ["distinct", "uniform", "zipf", "identical"]
-CPU_METHODS = ["gather", "grouped", "compact", None]
+CPU_METHODS = ["fused", "gather", "grouped", "compact", None]
 
 
 def slot_ids(popularity: str, T: int, S: int, n_base: int, gen: torch.Generator) -> torch.Tensor:
@@ -211,7 +211,7 @@ def test_cpu_auto_rule():
         check_lora(None, dtype, ids, S, 64, 16, 32, True, gen)
 
 
-@pytest.mark.parametrize("method", ["gather", "grouped"])
+@pytest.mark.parametrize("method", ["fused", "gather", "grouped"])
 def test_cpu_chunked_batches(monkeypatch, method):
     """Batches past the gather index cap / the expand chunk size are cut into token chunks: same result."""
     monkeypatch.setattr(K, "GATHER_MAX_INDEX", 64 * 5)  # 5 tokens per shrink chunk at in=64
@@ -237,7 +237,7 @@ def test_cpu_mixed_dtypes_bf16_activations_fp32_pool():
 
 
 @pytest.mark.parametrize("dora", [False, True])
-@pytest.mark.parametrize("method", ["gather", "grouped", "compact"])
+@pytest.mark.parametrize("method", ["fused", "gather", "grouped", "compact"])
 def test_cpu_op_count_independent_of_adapter_count(method, dora):
     """The CPU paths issue the same ops for 2 adapters as for 60 (no per-adapter Python loop)."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -158,6 +158,27 @@ def test_expert_matmul_is_each_experts_linear(dtype):
 
 
 @needs_fused
+@pytest.mark.parametrize(
+    "dtype, wdtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]
+)
+def test_expert_combine_is_mul_then_index_add_bit_for_bit(dtype, wdtype):
+    """fused.expert_combine_: out[rows[p]] += ys[p] * ws[p] in pair order, rounded exactly as ys.mul_(ws) then
+    index_add_ round (bf16 weights, and Mixtral's fp32 ones on bf16 rows), rows repeated in any order, a width
+    that is no multiple of the vector width; ys is left as it was."""
+    torch.manual_seed(1)
+    T, P, H = 7, 23, 301
+    out = torch.randn(T, H).to(dtype)
+    ys, ws = torch.randn(P, H).to(dtype), torch.rand(P).to(wdtype)
+    rows = torch.randint(0, T, (P,))
+    want = out.clone().index_add_(0, rows, ys.clone().mul_(ws[:, None]))
+    before = ys.clone()
+    fused.expert_combine_(out, ys, ws, rows)
+    assert torch.equal(out, want) and torch.equal(ys, before)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.expert_combine_(out, ys, ws, torch.full((P,), T))
+
+
+@needs_fused
 def test_fused_experts_follow_the_plain_ones():
     """The model's path with the fused CPU ops: dense experts (no packing), a decode step's projections in one
     op each, prefill per expert by aten; the plain block's output to fp32 rounding at decode and prefill sizes."""
@@ -217,16 +238,27 @@ def test_chunked_pairs_sum_as_one_pass(max_pairs, monkeypatch):
     assert not torch.equal(want_lora, want)
 
 
-@pytest.mark.parametrize("gather_bytes", [16 << 20, 0], ids=["batched matmuls", "grouped kernels"])
+@pytest.mark.parametrize(
+    "gather_bytes, fused_op",
+    [(16 << 20, True), (16 << 20, False), (0, True), (0, False)],
+    ids=["fused segment op", "batched matmuls", "kernels, fused op", "kernels, gather"],
+)
 @pytest.mark.parametrize("layout", ["one pool, every token", "base tokens and two pools"])
-def test_apply_experts_matches_per_pair_deltas(layout, gather_bytes, monkeypatch):
-    """apply_experts against each pair's own x A_{a,e} B_{a,e}, on both paths (factors gathered per pair, or the
-    grouped kernels over virtual-slot segments): pairs sorted by expert then token, a pool's tokens in slot order;
-    in place when one plan holds every pair, gathered and added back otherwise; the expert-major slots keep their
+def test_apply_experts_matches_per_pair_deltas(layout, gather_bytes, fused_op, monkeypatch):
+    """apply_experts against each pair's own x A_{a,e} B_{a,e}, on every path (few pairs: the fused segment op
+    over each (adapter, expert) run, or the factors gathered per pair without the fused ops; many: the kernels'
+    shrink and expand over virtual-slot segments, by the fused op or the gather): pairs sorted by expert then token, a pool's tokens in slot order; in
+    place when one plan holds every pair, gathered and added back otherwise; the expert-major slots keep their
     contents when the pool grows."""
     import types
 
+    from loraland_kernels import fused
     from loraland_kernels import lora as K
+
+    if fused_op and not fused.enabled(torch.device("cpu")):
+        pytest.skip("the fused CPU ops are not built here (no compiler)")
+    if not fused_op:
+        monkeypatch.setattr(fused, "enabled", lambda device: False)
 
     from app.replica.lora import experts as experts_mod
     from app.replica.lora.experts import ExpertWeights, apply_experts
@@ -269,7 +301,7 @@ def test_apply_experts_matches_per_pair_deltas(layout, gather_bytes, monkeypatch
     cache: dict = {}
     apply_experts(plans, cache, 0, "down", x, pair_expert, pair_token, out)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    in_place = [sel is None for _, sel, _, _ in cache.values()]
+    in_place = [sel is None for _, sel, *_ in cache.values()]
     assert in_place == ([True] if layout == "one pool, every token" else [False, False])
 
 
@@ -353,7 +385,7 @@ def test_expert_lora_mixed_with_base_matches_peft_and_reaches_every_expert(moe, 
             for (lay, _), g in pool.expert_groups.items()
             if lay == layer
         }
-        for (lay, i), (_, _, v, _) in cache.items():
+        for (lay, i), (_, _, v, *_) in cache.items():
             if lay == layer:
                 c = cap[plans[i][0].index]  # virtual slot e * cap + s: expert e of adapter slot s
                 reached.setdefault((layer, which), set()).update((v // c).tolist())

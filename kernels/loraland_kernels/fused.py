@@ -87,3 +87,19 @@ def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], 2, dtype=torch.long)
     torch.ops.loraland.greedy_rows(logits, out)
     return out
+
+
+def segment_matmul(a: torch.Tensor, w: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """out[t] = a[t] @ w[s] for the rows t of each span (slot s, first row, end row), the spans one after the
+    other from row 0 to the last: a [P, n] (rows sorted by slot, unit column stride), w [S, n, m] contiguous,
+    spans int64 [k, 3] -> [P, m] in w's dtype (fp32 or bf16; a in it too). Each slot's factors are read once."""
+    out = torch.empty(a.shape[0], w.shape[2], dtype=w.dtype)
+    torch.ops.loraland.segment_matmul(a, w, spans, out)
+    return out
+
+
+def expert_combine_(out: torch.Tensor, ys: torch.Tensor, ws: torch.Tensor, rows: torch.Tensor) -> None:
+    """out[rows[p]] += ys[p] * ws[p] in pair order, rounded as ys.mul_(ws[:, None]) then out.index_add_(0, rows,
+    ys) round (bf16: each output row summed in fp32, rounded once): out [T, H], ys [P, H] (fp32, or bf16 with bf16
+    or fp32 ws [P]), rows int64 [P]; ys is not changed. bf16 passes over all of out twice: for few rows (decode)."""
+    torch.ops.loraland.expert_combine(out, ys, ws, rows)

@@ -35,6 +35,7 @@ class Segments:
     cache_rows: bool = True
     _rows: dict = field(default_factory=dict, repr=False)
     _chunks: dict = field(default_factory=dict, repr=False)
+    _spans: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_adapter_tokens(self) -> int:
@@ -60,6 +61,14 @@ class Segments:
         if self.cache_rows:
             self._rows[width] = idx
         return idx
+
+    def spans(self) -> torch.Tensor:
+        """int64 [k, 3] (slot, first, end) of each segment, in adapter-token positions (CPU); cached."""
+        if self._spans is None:
+            lens = torch.tensor(self.lens, dtype=torch.int64)
+            ends = lens.cumsum(0)
+            self._spans = torch.stack([torch.tensor(self.slots, dtype=torch.int64), ends - lens, ends], 1)
+        return self._spans
 
     def chunks(self, rows: int) -> list[tuple[int, int, Segments]]:
         """The adapter tokens cut into runs of <= rows tokens: (start, end, their Segments); cached."""

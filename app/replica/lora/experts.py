@@ -222,12 +222,14 @@ def apply_experts(
     pair_expert[i]) whose token runs adapter a with LoRA on this layer's experts `which`. The pairs must come
     sorted by expert, then token (the MoE's LoRA order): each plan's pairs are then in virtual-slot order.
 
-    Per plan, over its pairs: few pairs (a decode step) gather each pair's A and B and run two batched matmuls;
-    many (a prefill) run the grouped kernels' shrink and expand over the virtual-slot segments. When the plan
-    holds every pair (one pool, no base tokens: the common case) the delta is added in place, else the pairs
-    are gathered and added back with one index_add_. cache[(layer, plan)] = (pair_token, sel, virtual slots,
-    segments once built): built by gate_up's call, reused by down's."""
+    Per plan, over its pairs: few pairs (a decode step) run the fused segment op over each (adapter, expert) run
+    (the factors read once where they lie), or without the fused ops gather each pair's A and B and run two
+    batched matmuls; many (a prefill) run the grouped kernels' shrink and expand over the virtual-slot segments.
+    When the plan holds every pair (one pool, no base tokens: the common case) the delta is added in place, else
+    the pairs are gathered and added back with one index_add_. cache[(layer, plan)] = (pair_token, sel, virtual
+    slots, segments once built, spans once built): built by gate_up's call, reused by down's."""
     import torch
+    from loraland_kernels import fused
     from loraland_kernels import lora as K
 
     for i, (pool, s, e, seg) in enumerate(plans):
@@ -250,13 +252,29 @@ def apply_experts(
                 sel,
                 ex * g.cap + seg.token_slot.index_select(0, tok - lo),
                 None,
+                None,
             ]
-        _, sel, v, sub = hit
+        _, sel, v, sub, spans = hit
         n = v.numel()
         if not n:
             continue
         x = x_pairs if sel is None else x_pairs.index_select(0, sel)
-        if n * (g.A[0].numel() + g.B[0].numel()) * g.A.element_size() <= GATHER_BYTES:
+        few = n * (g.A[0].numel() + g.B[0].numel()) * g.A.element_size() <= GATHER_BYTES
+        if few and g.A.dtype in (torch.float32, torch.bfloat16) and fused.enabled(x.device):
+            # each (adapter, expert) run of pairs times its factors, read once in place (no per-pair copies)
+            if spans is None:
+                slots, lens = torch.unique_consecutive(v, return_counts=True)
+                ends = lens.cumsum(0)
+                spans = hit[4] = torch.stack([slots, ends - lens, ends], 1)
+            xa = x.to(g.A.dtype)
+            d = fused.segment_matmul(xa if xa.stride(1) == 1 else xa.contiguous(), g.A, spans)
+            d = fused.segment_matmul(d, g.B, spans).to(out_pairs.dtype)
+            if sel is None:
+                out_pairs.add_(d)
+            else:
+                out_pairs.index_add_(0, sel, d)
+            continue
+        if few:
             z = torch.bmm(x.to(g.A.dtype).unsqueeze(1), g.A.index_select(0, v))  # in the pool's dtype
             if sel is None and out_pairs.dtype == g.B.dtype and out_pairs.is_contiguous():
                 out_pairs.unsqueeze(1).baddbmm_(z, g.B.index_select(0, v))
@@ -294,10 +312,12 @@ GROUPED_MIN_MEAN = 128
 
 def _method(seg, device) -> str | None:
     """The kernels' path for one pool's virtual-slot segments: their own choice on CUDA and for long segments,
-    else the gather."""
+    else the fused segment op (the gather where it is not built). The fused op against the gather on a prefill
+    chunk of the bench shape (2,048 tokens, top-4, 50 r8 adapters, one layer's gate_up and down): bf16 70 -> 26 ms,
+    fp32 53 -> 37 ms (2-core Zen 4)."""
     if device.type != "cpu" or seg.num_adapter_tokens >= GROUPED_MIN_MEAN * len(seg.slots):
         return None
-    return "gather"
+    return "fused"
 
 
 def check_expert_tensors(folder: Path, f: Any, cfg: dict[str, Any], max_rank: int) -> None:

@@ -15,14 +15,16 @@ The (token, expert) pairs are sorted by expert once per layer (a stable argsort;
 run, read to the host once per layer). Per chunk of consecutive experts (all of them in a decode step; a prefill's
 pairs cut so no temporary reaches 64 MiB, see CHUNK_BYTES) the tokens are gathered into that order with one
 index_select, each expert's contiguous rows go through its gate_up and down projections, and the weighted rows are
-scattered back with one index_add_. The Python loop runs over the experts that got rows, never tokens.
+scattered back with one index_add_ (a decode step's with the fused ops: fused.expert_combine_, the weighting and the
+adds in one pass, the same roundings). The Python loop runs over the experts that got rows, never tokens.
 
 The expert projections are plain F.linear on the 3-D weights' slices (transformers' arithmetic, bit for bit).
 Given `linear` (the model's GEMM factory, app/replica/linear.py) and the fused CPU ops built, a decode step's
 chunk (few rows per expert, every expert's weights read once) goes through fused.expert_matmul: one op per
-projection over all the chunk's experts, streaming the dense weights with software prefetch (22-26 GB/s);
-prefill stays per expert on aten (compute-bound, where that is as fast as anything). Given `linear` without the
-fused ops, one PackedLinear per expert and projection, prepacked at load (see _expert_linears).
+projection over all the chunk's experts, streaming the dense weights with software prefetch into L2 (~30 GB/s of
+the ~35 a 2-core Zen 4 reads); prefill stays per expert on aten (compute-bound, where that is as fast as
+anything). Given `linear` without the fused ops, one PackedLinear per expert and projection, prepacked at load
+(see _expert_linears).
 """
 
 from __future__ import annotations
@@ -153,11 +155,15 @@ class MoE:
             lo, hi = chunk[0][1], chunk[-1][2]
             r = rows[lo:hi]
             xs = x.index_select(0, r)
+            # the chunks in pair order: each row's adds in ascending expert order
             if lora is None and hi - lo > FEW_PAIRS:
-                ys = self._experts(xs, chunk, lo, ws)
+                out.index_add_(0, r, self._experts(xs, chunk, lo, ws))
+                continue
+            ys = self._experts_at_once(xs, chunk, lo, lora, layer, pair_expert, r)
+            if self.fused and hi - lo <= FEW_PAIRS:  # weighted and added in one pass, the same roundings
+                fused.expert_combine_(out, ys, ws[lo:hi, 0], r)
             else:
-                ys = self._experts_at_once(xs, chunk, lo, ws, lora, layer, pair_expert, r)
-            out.index_add_(0, r, ys)  # the chunks in pair order: each row's adds in ascending expert order
+                out.index_add_(0, r, ys.mul_(ws[lo:hi]))
         return out
 
     def _experts(self, xs: torch.Tensor, chunk: list[Span], lo: int, ws: torch.Tensor) -> torch.Tensor:
@@ -175,16 +181,15 @@ class MoE:
         xs: torch.Tensor,
         chunk: list[Span],
         lo: int,
-        ws: torch.Tensor,
         lora: LoraHook | None,
         layer: int,
         pair_expert: torch.Tensor | None,
         pair_token: torch.Tensor,
     ) -> torch.Tensor:
-        """The gate_up GEMMs of every expert, then one activation over all the chunk's pairs, the down GEMMs,
-        one weighting (decode steps, where per-op costs add up): with the fused ops one op per projection for
-        all the chunk's experts, else two per expert; the LoRA deltas of every expert's pairs together between
-        the passes."""
+        """The gate_up GEMMs of every expert, then one activation over all the chunk's pairs, the down GEMMs
+        (decode steps, where per-op costs add up): with the fused ops one op per projection for all the chunk's
+        experts, else two per expert; the LoRA deltas of every expert's pairs together between the passes. The
+        expert outputs come back unweighted (the caller weights them as it adds them up)."""
         spans = self._spans(chunk, lo) if self.fused and xs.shape[0] <= FEW_PAIRS else None
         gu = self._project(0, xs, chunk, lo, spans)
         if lora is not None:
@@ -193,7 +198,7 @@ class MoE:
         ys = self._project(1, ms, chunk, lo, spans)
         if lora is not None:
             lora.apply_experts(layer, "down", ms, pair_expert[lo : lo + xs.shape[0]], pair_token, ys)
-        return ys.mul_(ws[lo : lo + xs.shape[0]])
+        return ys
 
     @staticmethod
     def _spans(chunk: list[Span], lo: int) -> torch.Tensor:

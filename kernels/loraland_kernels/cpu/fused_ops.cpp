@@ -309,6 +309,8 @@ struct Vec {
   static R add(R a, R b) { return _mm512_add_ps(a, b); }
   static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static R set1(float x) { return _mm512_set1_ps(x); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R zero() { return _mm512_setzero_ps(); }
   // v rounded to bf16 (to nearest, ties to even; NaN to torch's quiet NaN), still in fp32 lanes
   static R round_bf16(R v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -334,6 +336,8 @@ struct Vec {
   static R add(R a, R b) { return _mm256_add_ps(a, b); }
   static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R set1(float x) { return _mm256_set1_ps(x); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R zero() { return _mm256_setzero_ps(); }
   static R round_bf16(R v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -915,6 +919,244 @@ void expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
     TORCH_CHECK(false, "expert_matmul: fp32 or bf16, not ", w.scalar_type());
 }
 
+// ---- multi-LoRA over adapter segments (the shrink and the expand of a decode step) ------------------------------
+
+// A decode step brings one or two tokens per adapter: each present adapter's factors are read once from memory for
+// a handful of rows. The pools keep PEFT's orientation, w [S, n, m] (A: [in, r], B: [r, out]), so a row of w is m
+// contiguous values and out[t] = a[t] @ w[s] is a sum over i of a[t, i] * w[s, i, :]: broadcast-FMAs streaming
+// w[s] once for up to four token rows. Each output value sums its n products in two interleaved halves (even i,
+// odd i), added at the end: the same order whatever the batch around the row (an answer never depends on which
+// other requests share the step), and two FMA chains in flight where a lone token has one.
+
+constexpr int64_t kSegTile = 4;            // token rows per pass over a slot's factors
+constexpr int64_t kSegAheadBytes = 8192;   // how far ahead of the reads the slot's factor rows are prefetched
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// out rows t0..t0+M of columns [c, c + C * lanes): acc over the n rows of ws (row stride m)
+template <int M, int C, typename T>
+inline void seg_tile(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, int64_t c, int64_t ahead, T* out) {
+  typename Vec::R acc[2][M][C];
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < M; ++j)
+      for (int q = 0; q < C; ++q) acc[h][j][q] = Vec::zero();
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    for (int h = 0; h < 2; ++h) {
+      const T* row = ws + (i + h) * m + c;
+      if (i + h + ahead < n) prefetch(row + ahead * m);  // never past the slot: the next one may be unused
+      typename Vec::R wv[C];
+      for (int q = 0; q < C; ++q) wv[q] = Vec::load(row + q * Vec::lanes);
+      for (int j = 0; j < M; ++j) {
+        const typename Vec::R av = Vec::set1(f32(a[j * as + i + h]));
+        for (int q = 0; q < C; ++q) acc[h][j][q] = Vec::fma(av, wv[q], acc[h][j][q]);
+      }
+    }
+  }
+  if (i < n) {  // n odd: the last row to the even half
+    const T* row = ws + i * m + c;
+    for (int j = 0; j < M; ++j) {
+      const typename Vec::R av = Vec::set1(f32(a[j * as + i]));
+      for (int q = 0; q < C; ++q) acc[0][j][q] = Vec::fma(av, Vec::load(row + q * Vec::lanes), acc[0][j][q]);
+    }
+  }
+  for (int j = 0; j < M; ++j)
+    for (int q = 0; q < C; ++q) Vec::store(out + j * m + c + q * Vec::lanes, Vec::add(acc[0][j][q], acc[1][j][q]));
+}
+
+// columns [c, c1) (whole vectors) in tiles of kCols vectors (two where 32 vector registers hold the sums, one with 16)
+constexpr int kCols = Vec::lanes == 16 ? 2 : 1;
+template <int M, typename T>
+inline void seg_columns(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, int64_t c, int64_t c1,
+                        int64_t ahead, T* out) {
+  for (; c + kCols * Vec::lanes <= c1; c += kCols * Vec::lanes) seg_tile<M, kCols>(a, as, ws, n, m, c, ahead, out);
+  if (c + Vec::lanes <= c1) seg_tile<M, 1>(a, as, ws, n, m, c, ahead, out);
+}
+#endif
+
+#if defined(__AVX512F__)
+// m == 8 (a rank-8 shrink): rows i and i + 1 of ws are one 16-lane load, the even row in the low half and the odd
+// row in the high half, so the two halves of the sum are exactly seg_scalar's even and odd sums (bit for bit)
+template <int M, typename T>
+inline void seg_pairs8(const T* a, int64_t as, const T* ws, int64_t n, int64_t ahead, T* out) {
+  __m512 acc[M];
+  for (int j = 0; j < M; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    if (i + ahead < n) prefetch(ws + (i + ahead) * 8);
+    const __m512 wv = load16(ws + i * 8);
+    for (int j = 0; j < M; ++j) {
+      const __m512 av = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f32(a[j * as + i])),
+                                             _mm512_set1_ps(f32(a[j * as + i + 1])));
+      acc[j] = _mm512_fmadd_ps(av, wv, acc[j]);
+    }
+  }
+  for (int j = 0; j < M; ++j) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc[j]);
+    for (int64_t c = 0; c < 8; ++c) {
+      float h0 = lanes[c], h1 = lanes[8 + c];
+      if (i < n) h0 = std::fma(f32(a[j * as + i]), f32(ws[i * 8 + c]), h0);  // n odd: the last row, even half
+      out[j * 8 + c] = static_cast<T>(h0 + h1);
+    }
+  }
+}
+#endif
+
+// the columns [c, c1) of m rows-tiles scalar (the ones the vector tiles leave), in the vector tiles' order
+template <typename T>
+inline void seg_scalar(const T* a, int64_t as, int64_t rows, const T* ws, int64_t n, int64_t m, int64_t c,
+                       int64_t c1, T* out) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t col = c; col < c1; ++col) {
+      float h0 = 0.f, h1 = 0.f;
+      int64_t i = 0;
+      for (; i + 2 <= n; i += 2) {
+        h0 = std::fma(f32(a[j * as + i]), f32(ws[i * m + col]), h0);
+        h1 = std::fma(f32(a[j * as + i + 1]), f32(ws[(i + 1) * m + col]), h1);
+      }
+      if (i < n) h0 = std::fma(f32(a[j * as + i]), f32(ws[i * m + col]), h0);
+      out[j * m + col] = static_cast<T>(h0 + h1);
+    }
+}
+
+// a [P, n] (row stride as, rows sorted by slot), w [S, n, m], spans [k, 3] (slot, first row, end row; one after
+// the other from row 0 to row P) -> out [P, m]
+template <typename T>
+void segment_matmul_impl(const at::Tensor& a, const at::Tensor& w, const at::Tensor& spans, const at::Tensor& out) {
+  const int64_t n = w.size(1), m = w.size(2), k = spans.size(0), as = a.stride(0);
+  const T* ap = a.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  // work items: (span, column block); a block of 8 vectors keeps a slot's rows streaming in long runs
+  const int64_t cb = m, blocks = 1;
+  const int64_t ahead = std::max<int64_t>(1, kSegAheadBytes / (m * static_cast<int64_t>(sizeof(T))));
+  at::parallel_for(0, k * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / blocks, c0 = (item % blocks) * cb, c1 = std::min(m, c0 + cb);
+      const T* ws = wp + sp[3 * s] * n * m;
+      for (int64_t r = sp[3 * s + 1]; r < sp[3 * s + 2]; r += kSegTile) {
+        const int64_t rows = std::min<int64_t>(kSegTile, sp[3 * s + 2] - r);
+        const T* ar = ap + r * as;
+        T* orow = op + r * m;
+        int64_t cv = c0;
+#if defined(__AVX512F__)
+        if constexpr (kVectorT<T>) {
+          if (m == 8) {
+            switch (rows) {
+              case 4: seg_pairs8<4>(ar, as, ws, n, ahead, orow); break;
+              case 3: seg_pairs8<3>(ar, as, ws, n, ahead, orow); break;
+              case 2: seg_pairs8<2>(ar, as, ws, n, ahead, orow); break;
+              default: seg_pairs8<1>(ar, as, ws, n, ahead, orow);
+            }
+            continue;
+          }
+        }
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+        if constexpr (kVectorT<T>) {
+          cv = c0 + (c1 - c0) / Vec::lanes * Vec::lanes;
+          switch (rows) {
+            case 4: seg_columns<4>(ar, as, ws, n, m, c0, cv, ahead, orow); break;
+            case 3: seg_columns<3>(ar, as, ws, n, m, c0, cv, ahead, orow); break;
+            case 2: seg_columns<2>(ar, as, ws, n, m, c0, cv, ahead, orow); break;
+            default: seg_columns<1>(ar, as, ws, n, m, c0, cv, ahead, orow);
+          }
+        }
+#endif
+        seg_scalar(ar, as, rows, ws, n, m, cv, c1, orow);
+      }
+    }
+  });
+}
+
+void segment_matmul(const at::Tensor& a, const at::Tensor& w, const at::Tensor& spans, const at::Tensor& out) {
+  check_cpu(a, "a");
+  check_cpu(w, "w");
+  TORCH_CHECK(a.dim() == 2 && a.stride(1) == 1 && w.dim() == 3 && w.is_contiguous() && a.size(1) == w.size(1),
+              "segment_matmul: a [P, n] (unit column stride), w [S, n, m] contiguous");
+  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.scalar_type() == at::kLong && spans.is_contiguous(),
+              "segment_matmul: spans [k, 3] int64");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == a.size(0) && out.size(1) == w.size(2) && out.is_contiguous(),
+              "segment_matmul: out [P, m] contiguous");
+  TORCH_CHECK(a.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(), "segment_matmul: one dtype");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  for (int64_t s = 0; s < spans.size(0); ++s)  // the spans tile the rows in order: every out row is written
+    TORCH_CHECK(sp[3 * s] >= 0 && sp[3 * s] < w.size(0) && sp[3 * s + 1] == (s ? sp[3 * s - 1] : 0) &&
+                    sp[3 * s + 1] <= sp[3 * s + 2],
+                "segment_matmul: span ", s, " out of range or not following the previous one");
+  TORCH_CHECK((spans.size(0) ? sp[3 * spans.size(0) - 1] : 0) == a.size(0), "segment_matmul: the spans cover ",
+              spans.size(0) ? sp[3 * spans.size(0) - 1] : 0, " of ", a.size(0), " rows");
+  if (w.scalar_type() == at::kFloat)
+    segment_matmul_impl<float>(a, w, spans, out);
+  else if (w.scalar_type() == at::kBFloat16)
+    segment_matmul_impl<c10::BFloat16>(a, w, spans, out);
+  else
+    TORCH_CHECK(false, "segment_matmul: fp32 or bf16, not ", w.scalar_type());
+}
+
+// ---- the MoE's weighted combine -----------------------------------------------------------------------------
+
+// acc[rows[p]] += T(ys[p] * ws[p]) for p = 0, 1, ... in order, acc in fp32: torch's ys.mul_(ws) (the product rounded
+// to T) then out.index_add_(0, rows, ys), which adds the rows one after another into each output row held in fp32
+// (bf16 rows rounded once at the end: the caller's copy back), without the weighted copy and in parallel over column
+// blocks (every element still sees its adds in pair order). ws: T or fp32 (Mixtral).
+template <typename T, typename W>
+void expert_combine_impl(float* acc, int64_t as, const at::Tensor& ys, const at::Tensor& ws, const at::Tensor& rows) {
+  const int64_t P = ys.size(0), H = ys.size(1), ys_s = ys.stride(0);
+  const T* yp = ys.data_ptr<T>();
+  const W* wp = ws.data_ptr<W>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  constexpr int64_t cb = 256;
+  at::parallel_for(0, (H + cb - 1) / cb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t c0 = b * cb, c1 = std::min(H, c0 + cb);
+      for (int64_t p = 0; p < P; ++p) {
+        const float w = f32(wp[p]);
+        const T* y = yp + p * ys_s;
+        float* o = acc + rp[p] * as;
+        int64_t c = c0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        if constexpr (kVectorT<T>) {
+          const typename Vec::R wv = Vec::set1(w);
+          for (; c + Vec::lanes <= c1; c += Vec::lanes)
+            Vec::store(o + c, Vec::add(Vec::load(o + c), rounded<T>(Vec::mul(Vec::load(y + c), wv))));
+        }
+#endif
+        for (; c < c1; ++c) o[c] += f32(static_cast<T>(f32(y[c]) * w));
+      }
+    }
+  });
+}
+
+void expert_combine(const at::Tensor& out, const at::Tensor& ys, const at::Tensor& ws, const at::Tensor& rows) {
+  check_cpu(out, "out");
+  check_cpu(ys, "ys");
+  TORCH_CHECK(out.dim() == 2 && ys.dim() == 2 && out.size(1) == ys.size(1) && out.stride(1) == 1 && ys.stride(1) == 1,
+              "expert_combine: out [T, H], ys [P, H] (unit column strides)");
+  TORCH_CHECK(ws.dim() == 1 && ws.size(0) == ys.size(0) && ws.is_contiguous(), "expert_combine: ws [P]");
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == ys.size(0) && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "expert_combine: rows [P] int64");
+  TORCH_CHECK(out.scalar_type() == ys.scalar_type(), "expert_combine: out and ys of one dtype");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t p = 0; p < rows.size(0); ++p)
+    TORCH_CHECK(rp[p] >= 0 && rp[p] < out.size(0), "expert_combine: row ", rp[p], " out of range");
+  if (ys.scalar_type() == at::kFloat && ws.scalar_type() == at::kFloat) {
+    expert_combine_impl<float, float>(out.data_ptr<float>(), out.stride(0), ys, ws, rows);
+    return;
+  }
+  const bool bf16_ws = ws.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(ys.scalar_type() == at::kBFloat16 && (bf16_ws || ws.scalar_type() == at::kFloat),
+              "expert_combine: fp32, or bf16 with bf16 or fp32 weights, not ", ys.scalar_type(), " with ",
+              ws.scalar_type());
+  at::Tensor acc = out.to(at::kFloat).contiguous();  // index_add_'s fp32 rows, rounded once below
+  if (bf16_ws)
+    expert_combine_impl<c10::BFloat16, c10::BFloat16>(acc.data_ptr<float>(), acc.stride(0), ys, ws, rows);
+  else
+    expert_combine_impl<c10::BFloat16, float>(acc.data_ptr<float>(), acc.stride(0), ys, ws, rows);
+  out.copy_(acc);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loraland, m) {
@@ -924,4 +1166,6 @@ TORCH_LIBRARY(loraland, m) {
   m.def("silu_mul", silu_mul);
   m.def("expert_matmul", expert_matmul);
   m.def("greedy_rows", greedy_rows);
+  m.def("segment_matmul", segment_matmul);
+  m.def("expert_combine", expert_combine);
 }
