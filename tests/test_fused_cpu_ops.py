@@ -157,6 +157,12 @@ def test_segment_matmul_is_each_slots_matmul(dtype, n, m):
     alone = torch.cat([fused.segment_matmul(a[t : t + 1], w, torch.tensor([[slot, 0, 1]])) for slot, s, e in
                        spans.tolist() for t in range(s, e)])  # fmt: skip
     assert torch.equal(out, alone)
+    # added into a column slice of a wider output, rounded as out.add_(product)
+    y = torch.randn(P, m + 7, dtype=dtype)
+    want = y.clone()
+    want[:, 3 : 3 + m].add_(out)
+    assert fused.segment_matmul(a, w, spans, y[:, 3 : 3 + m]) is not None
+    assert torch.equal(y, want)
 
 
 def test_segment_matmul_refuses_spans_that_do_not_tile_the_rows():

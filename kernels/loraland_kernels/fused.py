@@ -89,12 +89,19 @@ def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def segment_matmul(a: torch.Tensor, w: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+def segment_matmul(
+    a: torch.Tensor, w: torch.Tensor, spans: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """out[t] = a[t] @ w[s] for the rows t of each span (slot s, first row, end row), the spans one after the
     other from row 0 to the last: a [P, n] (rows sorted by slot, unit column stride), w [S, n, m] contiguous,
-    spans int64 [k, 3] -> [P, m] in w's dtype (fp32 or bf16; a in it too). Each slot's factors are read once."""
-    out = torch.empty(a.shape[0], w.shape[2], dtype=w.dtype)
-    torch.ops.loraland.segment_matmul(a, w, spans, out)
+    spans int64 [k, 3] -> [P, m] in w's dtype (fp32 or bf16; a in it too). Each slot's factors are read once.
+    With `out` ([P, m] in w's dtype, unit column stride, e.g. a column slice of a fused projection's output) the
+    products are added to it in place, as out.add_(product) rounds, and out is returned."""
+    if out is None:
+        out = torch.empty(a.shape[0], w.shape[2], dtype=w.dtype)
+        torch.ops.loraland.segment_matmul(a, w, spans, out, False)
+    else:
+        torch.ops.loraland.segment_matmul(a, w, spans, out, True)
     return out
 
 

@@ -187,6 +187,10 @@ def expand(
     za = z[nb:].to(B.dtype)
     if scale is not None:  # on z ([T, r]), the cheap side
         za = za * scale.to(B.dtype)[seg.token_slot][:, None]
+    if m == "fused" and base_scale is None and y.dtype == B.dtype and y.stride(1) == 1 and _fused_ok(y, B):
+        # added into y where it lies (a column slice of a fused projection's output): no temporary, no add_
+        fused.segment_matmul(za if za.stride(1) == 1 else za.contiguous(), B, seg.spans(), y[nb:])
+        return
     rows = max(64, EXPAND_CHUNK_BYTES // (B.shape[2] * B.element_size()))
     for c0, c1, sub in seg.chunks(rows):
         yc, d = y[nb + c0 : nb + c1], _apply(za[c0:c1], B, sub, m)

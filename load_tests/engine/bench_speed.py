@@ -67,17 +67,21 @@ def throughput(a, folder: Path) -> dict:
         for i, p in enumerate(adapters):
             ours.k.load_adapter(f"a{i}", p)
         names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
-    runs: dict[str, list[float]] = {"ours": [], "vllm": []}
+    runs: dict[str, list[float]] = {"ours": [], "vllm": [], "ours_base": []}
+    base = bool(adapters) and a.with_base  # the same kernel's base passes: LoRA over base within one process
     try:
         ours_pass(ours, prompts, names, a.new)  # warm-up: the adapters installed, every batch size planned
         for p in range(a.passes):
-            order = ["ours", "vllm"] if p % 2 == 0 else ["vllm", "ours"]
+            order = ["ours", "vllm", "ours_base"] if p % 2 == 0 else ["ours_base", "vllm", "ours"]
             for who in order:
                 if who == "vllm" and vllm is not None:
                     runs["vllm"].append(vllm.run())
                 elif who == "ours":
                     runs["ours"].append(ours_pass(ours, prompts, names, a.new))
+                elif who == "ours_base" and base:
+                    runs["ours_base"].append(ours_pass(ours, prompts, None, a.new))
             peer = f", vLLM {runs['vllm'][-1]:.1f}" if runs["vllm"] else ""
+            peer += f", ours base {runs['ours_base'][-1]:.1f}" if base else ""
             print(f"pass {p + 1}: ours {runs['ours'][-1]:.1f}{peer} tok/s", flush=True)
     finally:
         if vllm is not None:
@@ -87,6 +91,10 @@ def throughput(a, folder: Path) -> dict:
     if runs["vllm"]:
         out["ours_over_vllm"] = out["median"]["ours"] / out["median"]["vllm"]
         out["per_pass_ratio"] = [o / v for o, v in zip(runs["ours"], runs["vllm"])]
+    if runs["ours_base"]:
+        out["lora_over_base_per_pass"] = [o / b for o, b in zip(runs["ours"], runs["ours_base"])]
+        ratios = " / ".join(f"{r:.3f}" for r in out["lora_over_base_per_pass"])
+        print(f"ours with adapters / ours base per pass: {ratios}")
     return out
 
 
@@ -208,6 +216,9 @@ def main() -> None:
     ap.add_argument("--startup", action="store_true", help="also time first and second start, ours and vLLM")
     ap.add_argument("--bandwidth", action="store_true", help="also the decode step vs the memory bandwidth")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument(
+        "--with-base", action="store_true", help="with --adapters: ours' base passes too, on the same kernel"
+    )
     ap.add_argument("--vllm-venv", type=Path, default=Path("/work/vllm-venv"))
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()

@@ -931,10 +931,30 @@ void expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
 constexpr int64_t kSegTile = 4;            // token rows per pass over a slot's factors
 constexpr int64_t kSegAheadBytes = 8192;   // how far ahead of the reads the slot's factor rows are prefetched
 
+// where a tile's sums go: rows of T (row stride `stride`), written, or with `add` added to what they hold (the sum
+// rounded to T first, then the add rounded: torch's out.add_(T(sum)))
+template <typename T>
+struct SegRows {
+  T* p;
+  int64_t stride;
+  bool add;
+  void put(int64_t j, int64_t c, float v) const {
+    T* o = p + j * stride + c;
+    *o = add ? static_cast<T>(f32(*o) + f32(static_cast<T>(v))) : static_cast<T>(v);
+  }
+#if defined(__AVX512F__) || defined(__AVX2__)
+  void put(int64_t j, int64_t c, Vec::R v) const {
+    T* o = p + j * stride + c;
+    Vec::store(o, add ? Vec::add(Vec::load(o), rounded<T>(v)) : v);
+  }
+#endif
+};
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 // out rows t0..t0+M of columns [c, c + C * lanes): acc over the n rows of ws (row stride m)
 template <int M, int C, typename T>
-inline void seg_tile(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, int64_t c, int64_t ahead, T* out) {
+inline void seg_tile(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, int64_t c, int64_t ahead,
+                     const SegRows<T>& out) {
   typename Vec::R acc[2][M][C];
   for (int h = 0; h < 2; ++h)
     for (int j = 0; j < M; ++j)
@@ -960,14 +980,14 @@ inline void seg_tile(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, 
     }
   }
   for (int j = 0; j < M; ++j)
-    for (int q = 0; q < C; ++q) Vec::store(out + j * m + c + q * Vec::lanes, Vec::add(acc[0][j][q], acc[1][j][q]));
+    for (int q = 0; q < C; ++q) out.put(j, c + q * Vec::lanes, Vec::add(acc[0][j][q], acc[1][j][q]));
 }
 
 // columns [c, c1) (whole vectors) in tiles of kCols vectors (two where 32 vector registers hold the sums, one with 16)
 constexpr int kCols = Vec::lanes == 16 ? 2 : 1;
 template <int M, typename T>
 inline void seg_columns(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, int64_t c, int64_t c1,
-                        int64_t ahead, T* out) {
+                        int64_t ahead, const SegRows<T>& out) {
   for (; c + kCols * Vec::lanes <= c1; c += kCols * Vec::lanes) seg_tile<M, kCols>(a, as, ws, n, m, c, ahead, out);
   if (c + Vec::lanes <= c1) seg_tile<M, 1>(a, as, ws, n, m, c, ahead, out);
 }
@@ -977,7 +997,7 @@ inline void seg_columns(const T* a, int64_t as, const T* ws, int64_t n, int64_t 
 // m == 8 (a rank-8 shrink): rows i and i + 1 of ws are one 16-lane load, the even row in the low half and the odd
 // row in the high half, so the two halves of the sum are exactly seg_scalar's even and odd sums (bit for bit)
 template <int M, typename T>
-inline void seg_pairs8(const T* a, int64_t as, const T* ws, int64_t n, int64_t ahead, T* out) {
+inline void seg_pairs8(const T* a, int64_t as, const T* ws, int64_t n, int64_t ahead, const SegRows<T>& out) {
   __m512 acc[M];
   for (int j = 0; j < M; ++j) acc[j] = _mm512_setzero_ps();
   int64_t i = 0;
@@ -996,7 +1016,7 @@ inline void seg_pairs8(const T* a, int64_t as, const T* ws, int64_t n, int64_t a
     for (int64_t c = 0; c < 8; ++c) {
       float h0 = lanes[c], h1 = lanes[8 + c];
       if (i < n) h0 = std::fma(f32(a[j * as + i]), f32(ws[i * 8 + c]), h0);  // n odd: the last row, even half
-      out[j * 8 + c] = static_cast<T>(h0 + h1);
+      out.put(j, c, h0 + h1);
     }
   }
 }
@@ -1005,7 +1025,7 @@ inline void seg_pairs8(const T* a, int64_t as, const T* ws, int64_t n, int64_t a
 // the columns [c, c1) of m rows-tiles scalar (the ones the vector tiles leave), in the vector tiles' order
 template <typename T>
 inline void seg_scalar(const T* a, int64_t as, int64_t rows, const T* ws, int64_t n, int64_t m, int64_t c,
-                       int64_t c1, T* out) {
+                       int64_t c1, const SegRows<T>& out) {
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t col = c; col < c1; ++col) {
       float h0 = 0.f, h1 = 0.f;
@@ -1015,30 +1035,31 @@ inline void seg_scalar(const T* a, int64_t as, int64_t rows, const T* ws, int64_
         h1 = std::fma(f32(a[j * as + i + 1]), f32(ws[(i + 1) * m + col]), h1);
       }
       if (i < n) h0 = std::fma(f32(a[j * as + i]), f32(ws[i * m + col]), h0);
-      out[j * m + col] = static_cast<T>(h0 + h1);
+      out.put(j, col, h0 + h1);
     }
 }
 
 // a [P, n] (row stride as, rows sorted by slot), w [S, n, m], spans [k, 3] (slot, first row, end row; one after
-// the other from row 0 to row P) -> out [P, m]
+// the other from row 0 to row P) -> out [P, m] (row stride os), written or (add) added to
 template <typename T>
-void segment_matmul_impl(const at::Tensor& a, const at::Tensor& w, const at::Tensor& spans, const at::Tensor& out) {
-  const int64_t n = w.size(1), m = w.size(2), k = spans.size(0), as = a.stride(0);
+void segment_matmul_impl(const at::Tensor& a, const at::Tensor& w, const at::Tensor& spans, const at::Tensor& out,
+                         bool add) {
+  const int64_t n = w.size(1), m = w.size(2), k = spans.size(0), as = a.stride(0), os = out.stride(0);
   const T* ap = a.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* sp = spans.data_ptr<int64_t>();
-  // work items: (span, column block); a block of 8 vectors keeps a slot's rows streaming in long runs
-  const int64_t cb = m, blocks = 1;
+  // one work item per span, all m columns: a slot's factors streamed front to back (column blocks, which read a
+  // [r, out] factor in strided bands, measured no faster)
+  const int64_t c0 = 0, c1 = m;
   const int64_t ahead = std::max<int64_t>(1, kSegAheadBytes / (m * static_cast<int64_t>(sizeof(T))));
-  at::parallel_for(0, k * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / blocks, c0 = (item % blocks) * cb, c1 = std::min(m, c0 + cb);
+  at::parallel_for(0, k, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
       const T* ws = wp + sp[3 * s] * n * m;
       for (int64_t r = sp[3 * s + 1]; r < sp[3 * s + 2]; r += kSegTile) {
         const int64_t rows = std::min<int64_t>(kSegTile, sp[3 * s + 2] - r);
         const T* ar = ap + r * as;
-        T* orow = op + r * m;
+        const SegRows<T> orow{op + r * os, os, add};
         int64_t cv = c0;
 #if defined(__AVX512F__)
         if constexpr (kVectorT<T>) {
@@ -1070,15 +1091,16 @@ void segment_matmul_impl(const at::Tensor& a, const at::Tensor& w, const at::Ten
   });
 }
 
-void segment_matmul(const at::Tensor& a, const at::Tensor& w, const at::Tensor& spans, const at::Tensor& out) {
+void segment_matmul(const at::Tensor& a, const at::Tensor& w, const at::Tensor& spans, const at::Tensor& out,
+                    bool add) {
   check_cpu(a, "a");
   check_cpu(w, "w");
   TORCH_CHECK(a.dim() == 2 && a.stride(1) == 1 && w.dim() == 3 && w.is_contiguous() && a.size(1) == w.size(1),
               "segment_matmul: a [P, n] (unit column stride), w [S, n, m] contiguous");
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.scalar_type() == at::kLong && spans.is_contiguous(),
               "segment_matmul: spans [k, 3] int64");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == a.size(0) && out.size(1) == w.size(2) && out.is_contiguous(),
-              "segment_matmul: out [P, m] contiguous");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == a.size(0) && out.size(1) == w.size(2) && out.stride(1) == 1,
+              "segment_matmul: out [P, m] (unit column stride)");
   TORCH_CHECK(a.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(), "segment_matmul: one dtype");
   const int64_t* sp = spans.data_ptr<int64_t>();
   for (int64_t s = 0; s < spans.size(0); ++s)  // the spans tile the rows in order: every out row is written
@@ -1088,9 +1110,9 @@ void segment_matmul(const at::Tensor& a, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK((spans.size(0) ? sp[3 * spans.size(0) - 1] : 0) == a.size(0), "segment_matmul: the spans cover ",
               spans.size(0) ? sp[3 * spans.size(0) - 1] : 0, " of ", a.size(0), " rows");
   if (w.scalar_type() == at::kFloat)
-    segment_matmul_impl<float>(a, w, spans, out);
+    segment_matmul_impl<float>(a, w, spans, out, add);
   else if (w.scalar_type() == at::kBFloat16)
-    segment_matmul_impl<c10::BFloat16>(a, w, spans, out);
+    segment_matmul_impl<c10::BFloat16>(a, w, spans, out, add);
   else
     TORCH_CHECK(false, "segment_matmul: fp32 or bf16, not ", w.scalar_type());
 }
