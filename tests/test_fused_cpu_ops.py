@@ -104,6 +104,46 @@ def test_decode_attention_reads_only_live_slots(dtype, window, d, heads):
     assert torch.equal(out[[1, 4]], torch.zeros(2, H * d, dtype=dtype))  # rows that do not decode: untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_runs_prefills_as_rows_like_sdpa(dtype, window, monkeypatch):
+    """paged_attention with the fused ops (one op call: decode rows, then every prefill token as a row whose
+    context ends at its own position) against its SDPA path: a whole-prompt prefill, a chunk after a cached
+    prefix (chunked prefill / prefix cache), a decode row, GQA, with and without a sliding window."""
+    from app.replica.models import attention
+    from app.replica.models.batch import ForwardBatch, PrefillAttn
+
+    torch.manual_seed(6)
+    H, Hkv, d, bs, nblocks = 6, 2, 32, 4, 24
+    kc = torch.randn(nblocks, bs, Hkv, d, dtype=dtype)
+    vc = torch.randn(nblocks, bs, Hkv, d, dtype=dtype)
+    T = 1 + 9 + 6  # a decode row, a 9-token prompt, the last 6 tokens of a 14-token sequence
+    q = torch.randn(T, H, d, dtype=dtype)
+    blocks_a, blocks_b, blocks_c = torch.tensor([7, 2, 19]), torch.tensor([4, 11, 0]), torch.tensor([9, 13, 21, 5])
+
+    def cached(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:  # a sequence's first n k, v
+        slots = torch.tensor([int(blocks[t // bs]) * bs + t % bs for t in range(n)])
+        return kc.view(-1, Hkv, d)[slots], vc.view(-1, Hkv, d)[slots]
+
+    k = torch.empty(T, Hkv, d, dtype=dtype)
+    v = torch.empty(T, Hkv, d, dtype=dtype)
+    k[1:10], v[1:10] = cached(blocks_b, 9)
+    k[10:], v[10:] = (t[8:] for t in cached(blocks_c, 14))
+    b = ForwardBatch(
+        input_ids=torch.zeros(T, dtype=torch.long), positions=torch.zeros(T, dtype=torch.long),
+        slot_mapping=torch.zeros(T, dtype=torch.long), decode_idx=torch.tensor([0]),
+        decode_block_tables=blocks_a[None], decode_ctx_lens=torch.tensor([11]),
+        prefills=[PrefillAttn(torch.arange(1, 10), 9, blocks_b), PrefillAttn(torch.arange(10, 16), 14, blocks_c)],
+        logits_idx=torch.tensor([0, 9, 15]),
+    )  # fmt: skip
+    got = attention.paged_attention(q, k, v, b, kc, vc, window, None)
+    assert b.attention_rows is not None and b.attention_rows.rows.tolist() == list(range(T))
+    monkeypatch.setattr(attention.fused, "enabled", lambda device: False)
+    b.attention_rows = None
+    want = attention.paged_attention(q, k, v, b, kc, vc, window, None)
+    _close(got, want, dtype, ulps=1e-5)
+
+
 def test_the_library_can_be_turned_off():
     """LORALAND_FUSED_CPU=0: nothing is built or loaded and the model's torch ops run."""
     code = (

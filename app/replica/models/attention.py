@@ -1,5 +1,7 @@
 """Attention over the paged KV cache for one layer: decode rows read their block tables, prefill chunks their
-blocks; a sliding window (per layer) and a softmax scale (per family) are honoured in both."""
+blocks; a sliding window (per layer) and a softmax scale (per family) are honoured in both. With the fused CPU
+ops, one op call per layer runs every row (a prefill token is a row whose context ends at its own position);
+without them, decode rows through SDPA over gathered blocks and each prefill through its own SDPA call."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from loraland_kernels import fused
 
-from app.replica.models.batch import ForwardBatch, GroupAttn
+from app.replica.models.batch import AttentionRows, ForwardBatch, GroupAttn
 
 
 def stale_slots(b: ForwardBatch | GroupAttn, block_size: int) -> torch.Tensor | None:
@@ -42,11 +44,14 @@ def paged_attention(
     T, H, d = q.shape
     Hkv = k.shape[1]
     out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
-    if b.decode_idx is not None and fused.enabled(q.device):  # reads only each row's own live slots
-        bt, lens = b.decode_block_tables, b.decode_ctx_lens
-        scale_ = d**-0.5 if scale is None else scale
-        fused.decode_attention_(q, kc, vc, b.decode_idx, bt, lens, window, scale_, out.view(T, H * d))
-    elif b.decode_idx is not None:
+    if fused.enabled(q.device):
+        # every row, decode and prefill, in one call reading only its own live slots from the cache (this
+        # step's k/v are there already): one call per layer instead of one SDPA call per sequence
+        a = b.attention_rows if b.attention_rows is not None else _attention_rows(b)
+        sc = d**-0.5 if scale is None else scale
+        fused.decode_attention_(q, kc, vc, a.rows, a.block_tables, a.ctx_lens, window, sc, out.view(T, H * d))
+        return out.flatten(1)
+    if b.decode_idx is not None:
         bt = b.decode_block_tables
         nb, bs = bt.shape[1], kc.shape[1]
         keys = kc[bt].view(bt.shape[0], nb * bs, Hkv, d)  # gathered: a copy
@@ -85,3 +90,25 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)
         out[rows] = o[0].transpose(0, 1)
     return out.flatten(1)
+
+
+def _attention_rows(b: ForwardBatch | GroupAttn) -> AttentionRows:
+    """b's AttentionRows, built and kept on b (one step, one KV group; every layer reads them)."""
+    rows, lens, tables = [], [], []
+    if b.decode_idx is not None:
+        rows.append(b.decode_idx.long())
+        lens.append(b.decode_ctx_lens.long())
+        tables.append(b.decode_block_tables.long())
+    for p in b.prefills:
+        n = p.token_idx.shape[0]
+        rows.append(p.token_idx.long())
+        lens.append(torch.arange(p.ctx_len - n + 1, p.ctx_len + 1, dtype=torch.long))
+        tables.append(p.block_ids.long()[None].expand(n, -1))
+    width = max((t.shape[1] for t in tables), default=1)
+    bt = torch.zeros(sum(r.shape[0] for r in rows), width, dtype=torch.long)
+    r0 = 0
+    for t in tables:
+        bt[r0 : r0 + t.shape[0], : t.shape[1]] = t
+        r0 += t.shape[0]
+    b.attention_rows = AttentionRows(torch.cat(rows), bt, torch.cat(lens))
+    return b.attention_rows

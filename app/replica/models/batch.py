@@ -32,6 +32,18 @@ class LoraHook(Protocol):
         """logits = lm_head(x), row i of token rows[i]: apply each row's adapter's lm_head (LoRA or copy)."""
 
 
+@dataclass(frozen=True)
+class AttentionRows:
+    """Every token of a step as a row of the fused attention op, which attends one query row to the cached
+    positions [max(0, len - window), len) of its own block table: the decode rows, then each prefill token
+    with its context ending at its own position (causal). Built once per step and KV group, read by every
+    layer."""
+
+    rows: torch.Tensor  # [N] int64 flat token index
+    block_tables: torch.Tensor  # [N, max_blocks] int64 (padded with 0, never read past len)
+    ctx_lens: torch.Tensor  # [N] int64
+
+
 @dataclass
 class PrefillAttn:
     token_idx: torch.Tensor  # [q_len] positions of this chunk's tokens in the flat batch
@@ -50,6 +62,7 @@ class GroupAttn:
     decode_block_tables: torch.Tensor | None
     decode_ctx_lens: torch.Tensor | None
     prefills: list[PrefillAttn]
+    attention_rows: AttentionRows | None = field(default=None, repr=False)  # built on first use, attention.py
 
 
 @dataclass
@@ -65,6 +78,7 @@ class ForwardBatch:
     lora: LoraHook | None = None
     seq_lens: torch.Tensor | None = None  # [T] each token's sequence length (its known tokens) this step
     groups: list[GroupAttn] = field(default_factory=list)  # KV groups 1.. (sliding-window models)
+    attention_rows: AttentionRows | None = field(default=None, repr=False)  # built on first use, attention.py
 
     def group(self, g: int) -> ForwardBatch | GroupAttn:
         """KV group g's slots, decode tables and lengths, and prefill blocks (group 0: this batch's fields)."""
