@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from loraland_kernels import fused
-from loraland_kernels.segments import Segments, build_segments  # noqa: F401 (build_segments: part of this API)
+from loraland_kernels.segments import Segments, build_segments, run_spans  # noqa: F401 (part of this API)
 
 GATHER_MAX_INDEX = 1 << 22  # entries of a cached gather index ([T, in]); longer batches are chunked
 EXPAND_CHUNK_BYTES = 8 << 20  # largest [rows, out] temporary of expand (reused memory, no page faults)
@@ -59,7 +59,7 @@ def _pick(t: torch.Tensor, w: torch.Tensor, seg: Segments, method: str | None) -
     if method is None:
         if t.is_cuda:
             return "triton" if _has_triton() else "gather"  # gather: correct on any device, no pool copies
-        return "fused" if _fused_ok(t, w) else seg.cpu_method(w.dtype)
+        return "fused" if fused_runs(t, w) else seg.cpu_method(w.dtype)
     if method not in ("fused", "gather", "grouped", "compact", "triton", "loop"):
         raise ValueError(
             f"unknown method {method!r}: use fused, gather, grouped, compact, triton, loop or None (auto)"
@@ -67,7 +67,8 @@ def _pick(t: torch.Tensor, w: torch.Tensor, seg: Segments, method: str | None) -
     return method
 
 
-def _fused_ok(t: torch.Tensor, w: torch.Tensor) -> bool:
+def fused_runs(t: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the fused segment op takes pool w for tensors on t's device (CPU, library built, fp32/bf16)."""
     return w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() and fused.enabled(t.device)
 
 
@@ -187,7 +188,7 @@ def expand(
     za = z[nb:].to(B.dtype)
     if scale is not None:  # on z ([T, r]), the cheap side
         za = za * scale.to(B.dtype)[seg.token_slot][:, None]
-    if m == "fused" and base_scale is None and y.dtype == B.dtype and y.stride(1) == 1 and _fused_ok(y, B):
+    if m == "fused" and base_scale is None and y.dtype == B.dtype and y.stride(1) == 1 and fused_runs(y, B):
         # added into y where it lies (a column slice of a fused projection's output): no temporary, no add_
         fused.segment_matmul(za if za.stride(1) == 1 else za.contiguous(), B, seg.spans(), y[nb:])
         return
@@ -267,7 +268,7 @@ def _apply(a: torch.Tensor, w: torch.Tensor, seg: Segments, m: str) -> torch.Ten
     """out[t] = a[t] @ w[s_t] over the adapter tokens of seg: a [Ta, n], w [S, n, m] -> [Ta, m]."""
     if m == "loop":
         return _loop(a, w, seg)
-    if m == "fused" and _fused_ok(a, w):
+    if m == "fused" and fused_runs(a, w):
         return fused.segment_matmul(a if a.stride(1) == 1 else a.contiguous(), w, seg.spans())
     if m == "fused":
         m = "gather"  # the op did not build here, or a pool it does not take: the same job through aten

@@ -65,9 +65,7 @@ class Segments:
     def spans(self) -> torch.Tensor:
         """int64 [k, 3] (slot, first, end) of each segment, in adapter-token positions (CPU); cached."""
         if self._spans is None:
-            lens = torch.tensor(self.lens, dtype=torch.int64)
-            ends = lens.cumsum(0)
-            self._spans = torch.stack([torch.tensor(self.slots, dtype=torch.int64), ends - lens, ends], 1)
+            self._spans = run_spans(self.token_slot.cpu())
         return self._spans
 
     def chunks(self, rows: int) -> list[tuple[int, int, Segments]]:
@@ -81,6 +79,14 @@ class Segments:
                 for c in range(0, n, rows)
             ]
         return self._chunks[rows]
+
+
+def run_spans(ids: torch.Tensor) -> torch.Tensor:
+    """ids int [n] -> int64 [k, 3]: (value, first, end) of each run of equal consecutive values, the runs one
+    after the other from 0 to n (the spans fused.segment_matmul takes)."""
+    values, lens = torch.unique_consecutive(ids, return_counts=True)
+    ends = lens.cumsum(0)
+    return torch.stack([values.long(), ends - lens, ends], 1)
 
 
 def build_segments(slot_ids: torch.Tensor, num_slots: int) -> Segments:

@@ -260,12 +260,10 @@ def apply_experts(
             continue
         x = x_pairs if sel is None else x_pairs.index_select(0, sel)
         few = n * (g.A[0].numel() + g.B[0].numel()) * g.A.element_size() <= GATHER_BYTES
-        if few and g.A.dtype in (torch.float32, torch.bfloat16) and fused.enabled(x.device):
+        if few and K.fused_runs(x, g.A):
             # each (adapter, expert) run of pairs times its factors, read once in place (no per-pair copies)
             if spans is None:
-                slots, lens = torch.unique_consecutive(v, return_counts=True)
-                ends = lens.cumsum(0)
-                spans = hit[4] = torch.stack([slots, ends - lens, ends], 1)
+                spans = hit[4] = K.run_spans(v)
             xa = x.to(g.A.dtype)
             d = fused.segment_matmul(xa if xa.stride(1) == 1 else xa.contiguous(), g.A, spans)
             d = fused.segment_matmul(d, g.B, spans).to(out_pairs.dtype)

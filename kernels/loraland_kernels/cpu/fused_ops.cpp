@@ -1051,7 +1051,6 @@ void segment_matmul_impl(const at::Tensor& a, const at::Tensor& w, const at::Ten
   const int64_t* sp = spans.data_ptr<int64_t>();
   // one work item per span, all m columns: a slot's factors streamed front to back (column blocks, which read a
   // [r, out] factor in strided bands, measured no faster)
-  const int64_t c0 = 0, c1 = m;
   const int64_t ahead = std::max<int64_t>(1, kSegAheadBytes / (m * static_cast<int64_t>(sizeof(T))));
   at::parallel_for(0, k, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
@@ -1060,7 +1059,7 @@ void segment_matmul_impl(const at::Tensor& a, const at::Tensor& w, const at::Ten
         const int64_t rows = std::min<int64_t>(kSegTile, sp[3 * s + 2] - r);
         const T* ar = ap + r * as;
         const SegRows<T> orow{op + r * os, os, add};
-        int64_t cv = c0;
+        int64_t cv = 0;  // the columns the vector tiles cover: [0, cv); the scalar loop takes [cv, m)
 #if defined(__AVX512F__)
         if constexpr (kVectorT<T>) {
           if (m == 8) {
@@ -1076,16 +1075,16 @@ void segment_matmul_impl(const at::Tensor& a, const at::Tensor& w, const at::Ten
 #endif
 #if defined(__AVX512F__) || defined(__AVX2__)
         if constexpr (kVectorT<T>) {
-          cv = c0 + (c1 - c0) / Vec::lanes * Vec::lanes;
+          cv = m / Vec::lanes * Vec::lanes;
           switch (rows) {
-            case 4: seg_columns<4>(ar, as, ws, n, m, c0, cv, ahead, orow); break;
-            case 3: seg_columns<3>(ar, as, ws, n, m, c0, cv, ahead, orow); break;
-            case 2: seg_columns<2>(ar, as, ws, n, m, c0, cv, ahead, orow); break;
-            default: seg_columns<1>(ar, as, ws, n, m, c0, cv, ahead, orow);
+            case 4: seg_columns<4>(ar, as, ws, n, m, 0, cv, ahead, orow); break;
+            case 3: seg_columns<3>(ar, as, ws, n, m, 0, cv, ahead, orow); break;
+            case 2: seg_columns<2>(ar, as, ws, n, m, 0, cv, ahead, orow); break;
+            default: seg_columns<1>(ar, as, ws, n, m, 0, cv, ahead, orow);
           }
         }
 #endif
-        seg_scalar(ar, as, rows, ws, n, m, cv, c1, orow);
+        seg_scalar(ar, as, rows, ws, n, m, cv, m, orow);
       }
     }
   });
