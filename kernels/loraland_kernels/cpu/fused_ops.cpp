@@ -158,58 +158,76 @@ inline float exp_shifted(float* x, int64_t n, float m) {
 inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 #if defined(__AVX2__)
-// out[i] = (q . (rows[i] + off)) * sc for n rows of d values (fp32 or bf16, d % 8 == 0): four rows at a time,
-// four independent FMA chains, their sums folded together by two horizontal adds
-template <typename T>
-inline void scores_avx2(const float* q, const T* const* rows, int64_t off, int64_t n, int64_t d, float sc,
-                        float* out) {
+// The query heads that share a KV head (GQA), G <= 4 of them at once: each cached slot's slice is loaded (and
+// widened, for bf16) once for all G. q: the G heads' queries, fp32, one after another; d % 8 == 0 (AVX2) or
+// d % 16 == 0 (the AVX512 twins below); per head g, its n scores (then probabilities) are s[g * n + i].
+
+// s[g * n + i] = (q_g . (rows[i] + off)) * sc, R slots at a time: G * R sums, R keys and a query fit AVX2's 16
+// registers
+template <int G, typename T>
+inline void group_scores256(const float* q, const T* const* rows, int64_t off, int64_t n, int64_t d, float sc,
+                            float* s) {
+  constexpr int R = G <= 2 ? 4 : 2;
+  const __m128 scv = _mm_set1_ps(sc);
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const T *r0 = rows[i] + off, *r1 = rows[i + 1] + off, *r2 = rows[i + 2] + off, *r3 = rows[i + 3] + off;
+  for (; i + R <= n; i += R) {
+    __m256 acc[G][R];
+    for (auto& a : acc)
+      for (auto& v : a) v = _mm256_setzero_ps();
     for (int64_t j = 0; j < d; j += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + j);
-      a0 = _mm256_fmadd_ps(qv, load8(r0 + j), a0);
-      a1 = _mm256_fmadd_ps(qv, load8(r1 + j), a1);
-      a2 = _mm256_fmadd_ps(qv, load8(r2 + j), a2);
-      a3 = _mm256_fmadd_ps(qv, load8(r3 + j), a3);
+      __m256 k[R];
+      for (int r = 0; r < R; ++r) k[r] = load8(rows[i + r] + off + j);
+      for (int g = 0; g < G; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * d + j);
+        for (int r = 0; r < R; ++r) acc[g][r] = _mm256_fmadd_ps(qv, k[r], acc[g][r]);
+      }
     }
-    _mm_storeu_ps(out + i, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), _mm_set1_ps(sc)));
+    if constexpr (R == 4) {
+      for (int g = 0; g < G; ++g)
+        _mm_storeu_ps(s + g * n + i, _mm_mul_ps(hsum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), scv));
+    } else {  // two heads' two slots per fold: lanes (g, i), (g, i + 1), (g + 1, i), (g + 1, i + 1)
+      int g = 0;
+      for (; g + 1 < G; g += 2) {
+        const __m128 v = _mm_mul_ps(hsum8x4(acc[g][0], acc[g][1], acc[g + 1][0], acc[g + 1][1]), scv);
+        _mm_storel_pi(reinterpret_cast<__m64*>(s + g * n + i), v);
+        _mm_storeh_pi(reinterpret_cast<__m64*>(s + (g + 1) * n + i), v);
+      }
+      if (g < G)
+        for (int r = 0; r < R; ++r) s[g * n + i + r] = hsum8(acc[g][r]) * sc;
+    }
   }
   for (; i < n; ++i) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t j = 0; j < d; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(rows[i] + off + j), a);
-    out[i] = hsum8(a) * sc;
+    __m256 acc[G];
+    for (auto& v : acc) v = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; j += 8) {
+      const __m256 k = load8(rows[i] + off + j);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + j), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) s[g * n + i] = hsum8(acc[g]) * sc;
   }
 }
 
-// out[0:d) = sum_i p[i] * (rows[i] + off)[0:d) (fp32 or bf16 rows, d % 8 == 0), 64 columns at a time in eight registers
-template <typename T>
-inline void weighted_rows_avx2(const float* p, const T* const* rows, int64_t off, int64_t n, int64_t d,
-                               float* out) {
-  int64_t j0 = 0;
-  for (; j0 + 64 <= d; j0 += 64) {
-    __m256 acc[8];
-    for (auto& a : acc) a = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const __m256 pv = _mm256_set1_ps(p[i]);
-      const T* r = rows[i] + off + j0;
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pv, load8(r + 8 * c), acc[c]);
+// out[g * d + c] = sum_i p[g * n + i] * (rows[i] + off)[c] for the 8 * C columns c from out's start
+template <int G, int C, typename T>
+inline void group_weighted_cols256(const float* p, const T* const* rows, int64_t off, int64_t n, int64_t d,
+                                   float* out) {
+  __m256 acc[G][C];
+  for (auto& a : acc)
+    for (auto& v : a) v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load8(rows[i] + off + 8 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m256 pv = _mm256_set1_ps(p[g * n + i]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(pv, v[c], acc[g][c]);
     }
-    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + j0 + 8 * c, acc[c]);
   }
-  for (; j0 < d; j0 += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(rows[i] + off + j0), acc);
-    _mm256_storeu_ps(out + j0, acc);
-  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + g * d + 8 * c, acc[g][c]);
 }
 #endif
 
 #if defined(__AVX512F__)
-// The query heads that share a KV head (GQA), G <= 4 of them at once: each cached slot's slice is loaded (and
-// widened, for bf16) once for all G. q: the G heads' queries, fp32, one after another; d % 16 == 0; per head g,
-// its n scores (then probabilities) are s[g * n + i].
 
 // s[g * n + i] = (q_g . (rows[i] + off)) * sc, four slots at a time
 template <int G, typename T>
@@ -263,20 +281,37 @@ inline void group_weighted_cols512(const float* p, const T* const* rows, int64_t
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * d + 16 * c, acc[g][c]);
 }
 
+#endif
+
+#if defined(__AVX2__)
 // attention of G query heads over one KV head's slices (at off): scores, softmax, the weighted sum of values,
-// each head's d outputs written as T (s: G * n floats of scratch, acc: G * d)
+// each head's d outputs written as T (s: G * n floats of scratch, acc: G * d); 16-lane vectors where built and d
+// allows, else 8-lane
 template <int G, typename T>
-inline void group_attention512(const float* q, const T* const* krows, const T* const* vrows, int64_t off, int64_t n,
-                               int64_t d, float sc, float* s, float* acc, T* o) {
-  group_scores512<G>(q, krows, off, n, d, sc, s);
+inline void group_attention(const float* q, const T* const* krows, const T* const* vrows, int64_t off, int64_t n,
+                            int64_t d, float sc, float* s, float* acc, T* o) {
+#if defined(__AVX512F__)
+  const bool wide = d % 16 == 0;
+  if (wide)
+    group_scores512<G>(q, krows, off, n, d, sc, s);
+  else
+#endif
+    group_scores256<G>(q, krows, off, n, d, sc, s);
   float inv[G];
   for (int g = 0; g < G; ++g) {
     float* sg = s + g * n;
     inv[g] = 1.f / exp_shifted(sg, n, *std::max_element(sg, sg + n));
   }
-  int64_t j = 0;  // 64 columns per pass over the slots, then 16
-  for (; j + 64 <= d; j += 64) group_weighted_cols512<G, 4>(s, vrows, off + j, n, d, acc + j);
-  for (; j < d; j += 16) group_weighted_cols512<G, 1>(s, vrows, off + j, n, d, acc + j);
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if (wide) {  // 64 columns per pass over the slots, then 16
+    for (; j + 64 <= d; j += 64) group_weighted_cols512<G, 4>(s, vrows, off + j, n, d, acc + j);
+    for (; j < d; j += 16) group_weighted_cols512<G, 1>(s, vrows, off + j, n, d, acc + j);
+  }
+#endif
+  constexpr int C = G == 1 ? 8 : G == 2 ? 4 : 2;  // 8-lane column vectors per pass: G * C sums in 16 registers
+  for (; j + 8 * C <= d; j += 8 * C) group_weighted_cols256<G, C>(s, vrows, off + j, n, d, acc + j);
+  for (; j < d; j += 8) group_weighted_cols256<G, 1>(s, vrows, off + j, n, d, acc + j);
   for (int g = 0; g < G; ++g)
     for (int64_t c = 0; c < d; ++c) o[g * d + c] = static_cast<T>(acc[g * d + c] * inv[g]);
 }
@@ -429,7 +464,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
       scores.resize(H * n);
 #if defined(__AVX2__)
       if constexpr (kVectorT<T>) {
-        if (d % 8 == 0) {  // per head, its scores then its weighted sum of values, straight from the cache
+        if (d % 8 == 0) {  // per KV head group, its scores then its weighted sum of values, straight from the cache
           krows.resize(n);
           vrows.resize(n);
           for (int64_t t = start; t < len; ++t) {
@@ -440,32 +475,18 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
           T* o = op + row * out_row;
           touch(krows.data(), n, kv * static_cast<int64_t>(sizeof(T)));
           touch(vrows.data(), n, kv * static_cast<int64_t>(sizeof(T)));
-#if defined(__AVX512F__)
-          if (d % 16 == 0) {  // query head h reads KV head h / group (HF's repeat_kv): the group's heads together
-            for (int64_t h = 0; h < H;) {
-              const int64_t g = std::min<int64_t>(4, (h / group + 1) * group - h), off = (h / group) * d;
-              const float* qh = &qf[h * d];
-              float *sh = &scores[h * n], *a = &acc[h * d];
-              T* oh = o + h * d;
-              switch (g) {
-                case 4: group_attention512<4>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
-                case 3: group_attention512<3>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
-                case 2: group_attention512<2>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
-                default: group_attention512<1>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh);
-              }
-              h += g;
+          for (int64_t h = 0; h < H;) {  // query head h reads KV head h / group (HF's repeat_kv): a group together
+            const int64_t g = std::min<int64_t>(4, (h / group + 1) * group - h), off = (h / group) * d;
+            const float* qh = &qf[h * d];
+            float *sh = &scores[h * n], *a = &acc[h * d];
+            T* oh = o + h * d;
+            switch (g) {
+              case 4: group_attention<4>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
+              case 3: group_attention<3>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
+              case 2: group_attention<2>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh); break;
+              default: group_attention<1>(qh, krows.data(), vrows.data(), off, n, d, sc, sh, a, oh);
             }
-            continue;
-          }
-#endif
-          for (int64_t h = 0; h < H; ++h) {  // query head h reads KV head h / group (HF's repeat_kv)
-            float* sh = &scores[h * n];
-            const int64_t off = (h / group) * d;
-            scores_avx2(&qf[h * d], krows.data(), off, n, d, sc, sh);
-            const float mx = *std::max_element(sh, sh + n);
-            const float inv = 1.f / exp_shifted(sh, n, mx);
-            weighted_rows_avx2(sh, vrows.data(), off, n, d, &acc[h * d]);
-            for (int64_t j = 0; j < d; ++j) o[h * d + j] = static_cast<T>(acc[h * d + j] * inv);
+            h += g;
           }
           continue;
         }
