@@ -763,6 +763,19 @@ void greedy_rows(const at::Tensor& logits, const at::Tensor& out) {
       }
       mx = _mm512_reduce_max_ps(m);
       nonfinite = bad != 0;
+#elif defined(__AVX2__)
+      __m256 m = _mm256_set1_ps(mx), bad = _mm256_setzero_ps();
+      const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      for (; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        m = _mm256_max_ps(m, v);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(v, abs_mask), inf, _CMP_NLT_UQ));
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, m);
+      for (float v : lanes) mx = std::max(mx, v);
+      nonfinite = _mm256_movemask_ps(bad) != 0;
 #endif
       for (; j < V; ++j) {
         mx = std::max(mx, x[j]);
@@ -776,6 +789,17 @@ void greedy_rows(const at::Tensor& logits, const at::Tensor& out) {
         const __m512 mv = _mm512_set1_ps(mx);
         for (; at + 16 <= V; at += 16) {
           const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), mv, _CMP_EQ_OQ);
+          if (hit) {
+            at += __builtin_ctz(hit);
+            break;
+          }
+        }
+      }
+#elif defined(__AVX2__)
+      if (!nan) {  // the first lane equal to the maximum, 8 at a time
+        const __m256 mv = _mm256_set1_ps(mx);
+        for (; at + 8 <= V; at += 8) {
+          const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + at), mv, _CMP_EQ_OQ));
           if (hit) {
             at += __builtin_ctz(hit);
             break;
