@@ -1028,13 +1028,20 @@ inline void seg_tile(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, 
     for (int q = 0; q < C; ++q) out.put(j, c + q * Vec::lanes, Vec::add(acc[0][j][q], acc[1][j][q]));
 }
 
-// columns [c, c1) (whole vectors) in tiles of kCols vectors (two where 32 vector registers hold the sums, one with 16)
-constexpr int kCols = Vec::lanes == 16 ? 2 : 1;
+// columns [c, c1) (whole vectors) in tiles of C vectors, C chosen so that the tile's 2 * M * C sums are at least eight
+// FMA chains (a decode span is one or two rows: with one vector per tile its two chains waited on the FMA latency,
+// ~17 GB/s from L3 on AVX2) and fit the register file (32 vector registers with AVX512, 16 with AVX2)
+template <int M>
+constexpr int seg_cols() {
+  if constexpr (Vec::lanes == 16) return 2;
+  return M == 1 ? 4 : M == 2 ? 2 : 1;
+}
 template <int M, typename T>
 inline void seg_columns(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, int64_t c, int64_t c1,
                         int64_t ahead, const SegRows<T>& out) {
-  for (; c + kCols * Vec::lanes <= c1; c += kCols * Vec::lanes) seg_tile<M, kCols>(a, as, ws, n, m, c, ahead, out);
-  if (c + Vec::lanes <= c1) seg_tile<M, 1>(a, as, ws, n, m, c, ahead, out);
+  constexpr int C = seg_cols<M>();
+  for (; c + C * Vec::lanes <= c1; c += C * Vec::lanes) seg_tile<M, C>(a, as, ws, n, m, c, ahead, out);
+  for (; c + Vec::lanes <= c1; c += Vec::lanes) seg_tile<M, 1>(a, as, ws, n, m, c, ahead, out);
 }
 #endif
 
