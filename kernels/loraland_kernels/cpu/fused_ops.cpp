@@ -228,7 +228,6 @@ inline void group_weighted_cols256(const float* p, const T* const* rows, int64_t
 #endif
 
 #if defined(__AVX512F__)
-
 // s[g * n + i] = (q_g . (rows[i] + off)) * sc, four slots at a time
 template <int G, typename T>
 inline void group_scores512(const float* q, const T* const* rows, int64_t off, int64_t n, int64_t d, float sc,
@@ -1028,9 +1027,10 @@ inline void seg_tile(const T* a, int64_t as, const T* ws, int64_t n, int64_t m, 
     for (int q = 0; q < C; ++q) out.put(j, c + q * Vec::lanes, Vec::add(acc[0][j][q], acc[1][j][q]));
 }
 
-// columns [c, c1) (whole vectors) in tiles of C vectors, C chosen so that the tile's 2 * M * C sums are at least eight
-// FMA chains (a decode span is one or two rows: with one vector per tile its two chains waited on the FMA latency,
-// ~17 GB/s from L3 on AVX2) and fit the register file (32 vector registers with AVX512, 16 with AVX2)
+// columns [c, c1) (whole vectors) in tiles of C vectors, the tile's 2 * M * C sums being its FMA chains. AVX2 (16
+// registers): 8 chains for a one- or two-row span (a decode span's usual size; with one vector per tile its two
+// chains waited on the FMA latency, ~17 GB/s from L3), 6 or 8 for three or four rows. AVX512 (32 registers): two
+// vectors at every M, as measured there (one-row spans have 4 chains; four vectors not yet measured on AVX512).
 template <int M>
 constexpr int seg_cols() {
   if constexpr (Vec::lanes == 16) return 2;
